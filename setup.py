@@ -1,0 +1,27 @@
+"""Installs vit_jax and its configs. The tested versions are pinned in requirements.txt."""
+import setuptools
+
+setuptools.setup(
+    name='vit_jax',
+    version='0.1.0',
+    description='Vision Transformer (ViT) in JAX/Flax: models, checkpoints, training.',
+    python_requires='>=3.10',
+    packages=setuptools.find_packages(include=['vit_jax', 'vit_jax.*', 'configs']),
+    package_data={'vit_jax': ['data/*']},
+    install_requires=[
+        'jax>=0.10',
+        'flax>=0.12',
+        'optax>=0.2.8',
+        'orbax-checkpoint>=0.12',
+        'clu>=0.0.12',
+        'ml-collections>=1.1',
+        'tensorflow-datasets>=4.9',
+        'tensorflow-cpu>=2.21',
+        'tensorboard>=2.21',
+        'numpy>=2.0',
+        'scipy>=1.13',
+        'safetensors>=0.7',
+        'pillow>=11',
+        'matplotlib>=3.10',
+    ],
+)

@@ -1,0 +1,1 @@
+"""vit_jax: the Vision Transformer in JAX/Flax."""
