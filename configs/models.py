@@ -1,0 +1,76 @@
+"""Model configurations of the registry (`vit_jax.models.MODEL_CONFIGS`).
+
+Sizes follow Table 1 of the paper (hidden size D, MLP size, heads, layers):
+Ti 192/768/3/12, S 384/1536/6/12, B 768/3072/12/12, L 1024/4096/16/24, H 1280/5120/16/32.
+Each config holds: `name`, `patches.size`, `hidden_size`, `transformer` (mlp_dim, num_heads,
+num_layers, dropout_rate, attention_dropout_rate), `classifier`, `representation_size`
+and `resnet` (None, or num_layers and width_factor of the hybrid's ResNet stem).
+"""
+import ml_collections
+
+MODEL_CONFIGS: dict[str, ml_collections.ConfigDict] = {}
+
+
+def _register(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  MODEL_CONFIGS[config.name] = config
+  return config
+
+
+def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'):
+  """A plain ViT with square `patch` x `patch` patches."""
+  return ml_collections.ConfigDict({
+      'name': name,
+      'patches': {'size': (patch, patch)},
+      'hidden_size': hidden,
+      'transformer': {
+          'mlp_dim': mlp, 'num_heads': heads, 'num_layers': layers,
+          'dropout_rate': dropout, 'attention_dropout_rate': 0.0,
+      },
+      'classifier': classifier,
+      'representation_size': None,
+      'resnet': None,
+  })
+
+
+def hybrid(name, base, patch, num_layers, dropout=None):
+  """`base` fed by a ResNet-v2 stem with `num_layers` units per stage, on `patch` patches."""
+  config = base.copy_and_resolve_references()
+  config.name = name
+  config.patches.size = (patch, patch)
+  config.resnet = ml_collections.ConfigDict({'num_layers': num_layers, 'width_factor': 1})
+  if dropout is not None:
+    config.transformer.dropout_rate = dropout
+  return config
+
+
+def gap(base):
+  """`base` classifying the mean of the patch tokens (no class token)."""
+  config = base.copy_and_resolve_references()
+  config.name = base.name + '-gap'
+  config.classifier = 'gap'
+  return config
+
+
+TI16 = _register(vit('ViT-Ti_16', 16, 192, 768, 3, 12))
+S16 = _register(vit('ViT-S_16', 16, 384, 1536, 6, 12))
+S32 = _register(vit('ViT-S_32', 32, 384, 1536, 6, 12))
+B8 = _register(vit('ViT-B_8', 8, 768, 3072, 12, 12))
+B16 = _register(vit('ViT-B_16', 16, 768, 3072, 12, 12))
+B32 = _register(vit('ViT-B_32', 32, 768, 3072, 12, 12))
+L16 = _register(vit('ViT-L_16', 16, 1024, 4096, 16, 24, dropout=0.1))
+L32 = _register(vit('ViT-L_32', 32, 1024, 4096, 16, 24))
+H14 = _register(vit('ViT-H_14', 14, 1280, 5120, 16, 32, dropout=0.1))
+for _base in (S16, S32, B16, B32):
+  _register(gap(_base))
+
+# The stem alone (root block, stride 4) under 8x8 patches; the others stack stages.
+_register(hybrid('R+ViT-Ti_16', TI16, 8, ()))
+_register(hybrid('R26+ViT-S_32', S32, 1, (2, 2, 2, 2)))
+_register(hybrid('R26+ViT-B_32', B32, 1, (2, 2, 2, 2)))
+# ResNet-50 with (3, 4, 9) instead of (3, 4, 6, 3) units: the third stage is extended so the
+# feature map keeps stride 16.
+_register(hybrid('R50+ViT-B_16', B16, 1, (3, 4, 9), dropout=0.1))
+_register(hybrid('R50+ViT-L_32', L32, 1, (3, 4, 6, 3)))
+
+# A tiny model for tests and quick experiments.
+_register(vit('testing', 16, 16, 32, 2, 1))

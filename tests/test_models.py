@@ -1,0 +1,62 @@
+"""Tests of the registry, vit_jax/models.py."""
+import jax.numpy as jnp
+import pytest
+
+from vit_jax import models
+
+# Published parameter counts at 1000 classes and 224 px.
+PUBLISHED_SIZES = {
+    'ViT-Ti_16': 5_717_416,
+    'ViT-S_16': 22_050_664,
+    'ViT-S_32': 22_878_952,
+    'ViT-B_8': 86_576_872,
+    'ViT-B_16': 86_567_656,
+    'ViT-B_32': 88_224_232,
+    'ViT-L_16': 304_326_632,
+    'ViT-L_32': 306_535_400,
+    'ViT-H_14': 632_045_800,
+    'ViT-S_16-gap': 22_049_896,
+    'ViT-S_32-gap': 22_878_184,
+    'ViT-B_16-gap': 86_566_120,
+    'ViT-B_32-gap': 88_222_696,
+    'R+ViT-Ti_16': 6_337_704,
+    'R26+ViT-S_32': 36_431_912,
+    'R26+ViT-B_32': 101_383_976,
+    'R50+ViT-B_16': 98_659_112,
+    'R50+ViT-L_32': 328_994_856,
+}
+
+
+@pytest.mark.parametrize('name,size', PUBLISHED_SIZES.items())
+def test_parameter_count_matches_published(name, size):
+  model = models.get_model(name, num_classes=1000)
+  assert models.count_params(model, image_size=224) == size
+
+
+def test_registry_holds_every_published_model():
+  assert set(PUBLISHED_SIZES) <= set(models.MODEL_CONFIGS)
+
+
+def test_unknown_model_lists_known_names():
+  with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_99'.*ViT-B_16.*R50\+ViT-B_16"):
+    models.get_model('ViT-X_99', num_classes=10)
+
+
+def test_overrides_replace_fields_and_unknown_ones_fail():
+  model = models.get_model('ViT-B_16', num_classes=10, dtype=jnp.bfloat16, classifier='gap')
+  assert (model.dtype, model.classifier, model.num_classes) == (jnp.bfloat16, 'gap', 10)
+  with pytest.raises(ValueError, match='Unknown model fields.*hidden_sizes'):
+    models.get_model('ViT-B_16', num_classes=10, hidden_sizes=3)
+
+
+def test_hybrid_r50_b16_gives_14x14_tokens_at_224():
+  params = models.param_shapes(models.get_model('R50+ViT-B_16', num_classes=10), 224)
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 14 * 14 + 1, 768)
+  assert params['embedding']['kernel'].shape == (1, 1, 1024, 768)
+  assert params['block3']['unit9']['conv3']['kernel'].shape == (1, 1, 256, 1024)
+
+
+def test_gflops_of_b16_match_the_paper():
+  # ~17.6 G multiply-adds per 224 px image, i.e. ~35 GFLOPs.
+  gflops = models.gflops_per_image(models.get_model('ViT-B_16', num_classes=1000))
+  assert 34 < gflops < 37

@@ -1,0 +1,194 @@
+"""Tests of the Vision Transformer modules, vit_jax/models_vit.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import models_vit
+from vit_jax import models_resnet
+
+TINY = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
+
+
+def tiny_vit(**overrides):
+  return models_vit.VisionTransformer(num_classes=5, **{**TINY, **overrides})
+
+
+def random_params(model, images, seed=0):
+  """Initialised parameters, with every leaf (head and cls included) made random and nonzero."""
+  params = model.init(jax.random.key(seed), images, train=False)['params']
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return jax.tree.unflatten(
+      tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def images_of(size=16, batch=2, seed=0):
+  return jax.random.uniform(jax.random.key(seed), (batch, size, size, 3), minval=-1, maxval=1)
+
+
+# A hand-written reference of equations (1)-(4) of the paper, in numpy.
+
+def np_layer_norm(x, p):
+  mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + 1e-6) * p['scale'] + p['bias']
+
+
+def np_gelu(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def np_msa(x, p):
+  q, k, v = (np.einsum('td,dnh->nth', x, p[n]['kernel']) + p[n]['bias'][:, None]
+             for n in ('query', 'key', 'value'))
+  logits = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  heads = weights @ v  # (N, T, K)
+  return np.einsum('nth,nhd->td', heads, p['out']['kernel']) + p['out']['bias']
+
+
+def np_vit(image, params, patch):
+  p = jax.tree.map(np.asarray, params)
+  h, w, c = image.shape
+  # Eq. (1): z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos, patches flattened row-major.
+  patches = [image[i:i + patch, j:j + patch].reshape(-1)
+             for i in range(0, h, patch) for j in range(0, w, patch)]
+  e = p['embedding']['kernel'].reshape(-1, p['embedding']['kernel'].shape[-1])
+  z = np.stack([p['cls'][0, 0]] + [x @ e + p['embedding']['bias'] for x in patches])
+  z = z + p['Transformer']['posembed_input']['pos_embedding'][0]
+  i = 0
+  while f'encoderblock_{i}' in p['Transformer']:
+    blk = p['Transformer'][f'encoderblock_{i}']
+    z = np_msa(np_layer_norm(z, blk['LayerNorm_0']), blk['MultiHeadDotProductAttention_0']) + z
+    mlp = blk['MlpBlock_0']
+    y = np_layer_norm(z, blk['LayerNorm_1'])
+    y = np_gelu(y @ mlp['Dense_0']['kernel'] + mlp['Dense_0']['bias'])
+    z = y @ mlp['Dense_1']['kernel'] + mlp['Dense_1']['bias'] + z  # Eq. (2), (3)
+    i += 1
+  y = np_layer_norm(z, p['Transformer']['encoder_norm'])[0]  # Eq. (4): LN(z_L^0)
+  return y @ p['head']['kernel'] + p['head']['bias']
+
+
+def test_matches_equations_1_to_4():
+  model, images = tiny_vit(), images_of()
+  params = random_params(model, images)
+  logits = model.apply({'params': params}, images, train=False)
+  expected = np.stack([np_vit(np.asarray(x), params, patch=4) for x in images])
+  np.testing.assert_allclose(logits, expected, rtol=2e-4, atol=2e-4)
+
+
+def test_parameter_tree_is_the_published_one():
+  params = tiny_vit(representation_size=7).init(jax.random.key(0), images_of(), train=False)
+  params = params['params']
+  shapes = jax.tree_util.tree_map_with_path(lambda path, x: x.shape, params)
+  block = shapes['Transformer']['encoderblock_1']
+  assert block['MultiHeadDotProductAttention_0']['query']['kernel'] == (12, 3, 4)
+  assert block['MultiHeadDotProductAttention_0']['out']['kernel'] == (3, 4, 12)
+  assert block['MlpBlock_0']['Dense_0']['kernel'] == (12, 20)
+  assert set(block) == {'LayerNorm_0', 'MultiHeadDotProductAttention_0', 'LayerNorm_1',
+                        'MlpBlock_0'}
+  assert shapes['embedding']['kernel'] == (4, 4, 3, 12)
+  assert shapes['cls'] == (1, 1, 12)
+  assert shapes['Transformer']['posembed_input']['pos_embedding'] == (1, 17, 12)
+  assert shapes['pre_logits']['kernel'] == (12, 7)
+  assert set(shapes) == {'embedding', 'cls', 'Transformer', 'pre_logits', 'head'}
+  np.testing.assert_array_equal(params['head']['kernel'], 0)
+  np.testing.assert_array_equal(params['cls'], 0)
+
+
+def test_exact_gelu_differs_from_tanh_approximation():
+  images = images_of()
+  params = random_params(tiny_vit(), images)
+  tanh = tiny_vit().apply({'params': params}, images, train=False)
+  exact = tiny_vit(approximate_gelu=False).apply({'params': params}, images, train=False)
+  assert not np.allclose(tanh, exact, atol=1e-6)
+  np.testing.assert_allclose(tanh, exact, atol=5e-2)
+
+
+@pytest.mark.parametrize('classifier,shape', [
+    ('token', (2, 5)), ('gap', (2, 5)), ('unpooled', (2, 16, 5)), ('token_unpooled', (2, 17, 5))])
+def test_output_shape_of_each_classifier(classifier, shape):
+  model, images = tiny_vit(classifier=classifier), images_of()
+  variables = model.init(jax.random.key(0), images, train=False)
+  assert ('cls' in variables['params']) == classifier.startswith('token')
+  assert model.apply(variables, images, train=False).shape == shape
+
+
+def test_dropout_only_in_training_and_deterministic_per_rng():
+  model, images = tiny_vit(dropout_rate=0.3, attention_dropout_rate=0.3), images_of()
+  variables = {'params': random_params(model, images)}
+  evals = [model.apply(variables, images, train=False) for _ in range(2)]
+  np.testing.assert_array_equal(evals[0], evals[1])
+  train = lambda seed: model.apply(variables, images, train=True,
+                                   rngs={'dropout': jax.random.key(seed)})
+  np.testing.assert_array_equal(train(1), train(1))
+  assert not np.allclose(train(1), train(2))
+  assert not np.allclose(train(1), evals[0])
+
+
+def test_bfloat16_compute_is_close_to_float32():
+  images = images_of()
+  params = random_params(tiny_vit(), images)
+  f32 = tiny_vit().apply({'params': params}, images, train=False)
+  bf16_model = tiny_vit(dtype=jnp.bfloat16)
+  bf16 = bf16_model.apply({'params': params}, images, train=False)
+  assert bf16.dtype == jnp.float32  # logits are returned in float32
+  init_dtypes = jax.tree.leaves(jax.tree.map(
+      lambda x: x.dtype, bf16_model.init(jax.random.key(0), images, train=False)))
+  assert set(init_dtypes) == {jnp.dtype('float32')}
+  np.testing.assert_allclose(bf16, f32, atol=0.1 * float(jnp.abs(f32).max()))
+
+
+def test_attention_weights_are_sown_on_request():
+  model, images = tiny_vit(), images_of()
+  variables = {'params': random_params(model, images)}
+  logits, state = model.apply(variables, images, train=False, mutable=['intermediates'])
+  np.testing.assert_allclose(logits, model.apply(variables, images, train=False), atol=1e-5)
+  weights = state['intermediates']['Transformer']['encoderblock_1'][
+      'MultiHeadDotProductAttention_0']['attention_weights'][0]
+  assert weights.shape == (2, 3, 17, 17)
+  np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-5)
+
+
+def test_image_not_divisible_by_patch_size_is_a_clear_error():
+  with pytest.raises(ValueError, match=r'Image size 18x18 is not divisible by the patch size '
+                                       r'4x4.*Resize the images.*16x16'):
+    tiny_vit().init(jax.random.key(0), images_of(size=18), train=False)
+
+
+def test_image_size_other_than_the_posemb_grid_is_a_clear_error():
+  model = tiny_vit()
+  variables = model.init(jax.random.key(0), images_of(size=16), train=False)
+  with pytest.raises(ValueError, match=r'gives 37 tokens.*pos_embedding.*\(1, 17, 12\).*'
+                                       r'resize the position embeddings'):
+    model.apply(variables, images_of(size=24), train=False)
+
+
+def test_unknown_classifier_is_a_clear_error():
+  with pytest.raises(ValueError, match="classifier='cls'; choose one of"):
+    tiny_vit(classifier='cls').init(jax.random.key(0), images_of(), train=False)
+
+
+def test_hybrid_stem_divides_resolution_by_its_stride():
+  images = images_of(size=64, batch=1)
+  for num_layers, stride in [((), 4), ((1, 1), 8), ((1, 1, 1), 16)]:
+    assert models_resnet.stem_stride(num_layers) == stride
+    model = tiny_vit(patch_size=(1, 1), resnet_layers=num_layers, resnet_width_factor=0.5)
+    params = model.init(jax.random.key(0), images, train=False)['params']
+    tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1]
+    assert tokens == (64 // stride)**2 + 1
+
+
+def test_hybrid_image_not_divisible_by_total_stride_is_a_clear_error():
+  model = tiny_vit(patch_size=(2, 2), resnet_layers=(1, 1))
+  with pytest.raises(ValueError, match=r'40x40 is not divisible by the patch size 16x16 '
+                                       r'\(patches \(2, 2\) on a stem of stride 8\)'):
+    model.init(jax.random.key(0), images_of(size=40), train=False)
+
+
+def test_weight_standardisation_gives_zero_mean_unit_std_per_output_channel():
+  kernel = jax.random.normal(jax.random.key(0), (3, 3, 4, 6)) * 5 + 2
+  w = models_resnet.standardize_weight(kernel)
+  np.testing.assert_allclose(w.mean(axis=(0, 1, 2)), 0, atol=1e-5)
+  np.testing.assert_allclose(w.std(axis=(0, 1, 2)), 1, atol=1e-4)

@@ -1,0 +1,99 @@
+"""The model registry: `get_model(name, num_classes=...)` builds any model of `MODEL_CONFIGS`.
+
+`python -m vit_jax.models` prints the registry with parameter counts and GFLOPs per image.
+"""
+import argparse
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from configs.models import MODEL_CONFIGS
+from vit_jax import models_vit
+
+__all__ = ['MODEL_CONFIGS', 'get_model', 'count_params', 'gflops_per_image']
+
+
+def get_model_config(name: str) -> ml_collections.ConfigDict:
+  """A copy of the registry's config `name`; a ValueError that lists the known names if unknown."""
+  if name not in MODEL_CONFIGS:
+    raise ValueError(f'Unknown model {name!r}. Known models: {", ".join(MODEL_CONFIGS)}.')
+  return MODEL_CONFIGS[name].copy_and_resolve_references()
+
+
+def model_kwargs(config: ml_collections.ConfigDict) -> dict:
+  """VisionTransformer's arguments from a registry-style config."""
+  transformer = config.transformer
+  resnet = config.get('resnet')
+  return dict(
+      patch_size=tuple(config.patches.size),
+      hidden_size=config.hidden_size,
+      mlp_dim=transformer.mlp_dim,
+      num_heads=transformer.num_heads,
+      num_layers=transformer.num_layers,
+      dropout_rate=transformer.dropout_rate,
+      attention_dropout_rate=transformer.attention_dropout_rate,
+      classifier=config.classifier,
+      representation_size=config.representation_size,
+      resnet_layers=None if resnet is None else tuple(resnet.num_layers),
+      resnet_width_factor=1 if resnet is None else resnet.width_factor,
+  )
+
+
+def get_model(name_or_config: Union[str, ml_collections.ConfigDict], *, num_classes: int,
+              **overrides) -> models_vit.VisionTransformer:
+  """Builds a VisionTransformer from a registry name (e.g. 'ViT-B_16') or a model config.
+
+  `overrides` replace any VisionTransformer field, e.g. `dtype=jnp.bfloat16`,
+  `classifier='gap'`, `dropout_rate=0.1`, `approximate_gelu=False`.
+  """
+  config = (get_model_config(name_or_config) if isinstance(name_or_config, str)
+            else name_or_config)
+  kwargs = model_kwargs(config)
+  unknown = set(overrides) - set(models_vit.VisionTransformer.__dataclass_fields__)
+  if unknown:
+    raise ValueError(f'Unknown model fields {sorted(unknown)}; VisionTransformer takes '
+                     f'{sorted(models_vit.VisionTransformer.__dataclass_fields__)}.')
+  kwargs.update(overrides)
+  return models_vit.VisionTransformer(num_classes=num_classes, **kwargs)
+
+
+def param_shapes(model: models_vit.VisionTransformer, image_size: int = 224):
+  """The parameter tree as ShapeDtypeStructs, computed without allocating memory."""
+  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(images.shape),
+                                                train=False))
+  return variables['params']
+
+
+def count_params(model: models_vit.VisionTransformer, image_size: int = 224) -> int:
+  """Number of parameters at `image_size` (the position embeddings depend on it)."""
+  return sum(x.size for x in jax.tree.leaves(param_shapes(model, image_size)))
+
+
+def gflops_per_image(model: models_vit.VisionTransformer, image_size: int = 224) -> float:
+  """Forward-pass GFLOPs of one image, as counted by XLA's cost analysis of the compiled HLO."""
+  params = param_shapes(model, image_size)
+  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  apply = jax.jit(lambda p, x: model.apply({'params': p}, x, train=False))
+  cost = apply.lower(params, images).cost_analysis()
+  return cost['flops'] / 1e9
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--image_size', type=int, default=224)
+  parser.add_argument('--num_classes', type=int, default=1000)
+  args = parser.parse_args()
+  print(f'{"model":<18} {"params":>13} {"GFLOPs/image":>13}   at {args.image_size} px, '
+        f'{args.num_classes} classes')
+  for name in MODEL_CONFIGS:
+    model = get_model(name, num_classes=args.num_classes)
+    size = args.image_size
+    print(f'{name:<18} {count_params(model, size):>13,} {gflops_per_image(model, size):>13.2f}',
+          flush=True)
+
+
+if __name__ == '__main__':
+  main()
