@@ -1,0 +1,67 @@
+"""Training defaults shared by every config: data, optimiser, schedule, logging, checkpoints."""
+import ml_collections
+
+from configs import models
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # Data: the embedded dataset, a tfds name, or an image folder DIR/{train,test}/{class}/*.
+  config.dataset = 'fashion_mnist_embedded'
+  config.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
+  config.tfds_manual_dir = ml_collections.FieldReference(None, field_type=str)
+  config.train_split = 'train'
+  config.test_split = 'test'
+  config.skip_bad_images = False
+  config.shuffle_buffer = 50_000
+  config.prefetch = 2
+  config.pp = ml_collections.ConfigDict({
+      'crop': 224,  # Model resolution in pixels.
+      'resize': ml_collections.FieldReference(None, field_type=int),  # Eval: short side first.
+      'flip': True,
+      'inception_crop': True,
+  })
+
+  # Model: a registry name (see vit_jax.models.MODEL_CONFIGS) or a registry-style config.
+  config.model_name = 'ViT-B_16'
+  config.model = ml_collections.ConfigDict()  # Filled from the registry by `with_model`.
+  config.dtype = 'float32'  # Computation dtype; parameters stay float32.
+  config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
+  config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
+
+  # Optimisation.
+  config.batch = 512  # Global batch.
+  config.batch_eval = 512
+  config.accum_steps = 1  # Gradient accumulation: micro-batches per update.
+  config.total_steps = 10_000
+  config.warmup_steps = 500
+  config.optimizer = 'sgd'  # 'sgd' (momentum, bfloat16 accumulator) or 'adamw'.
+  config.base_lr = 0.03
+  config.min_lr = 0.0
+  config.decay_type = 'cosine'  # 'cosine' or 'linear'.
+  config.momentum = 0.9
+  config.weight_decay = 0.0  # AdamW's decoupled weight decay.
+  config.grad_clip_norm = 1.0
+  config.label_smoothing = 0.0
+
+  # Devices: a mesh of all devices along 'data'; 'model' splits heads and MLP (issue 6).
+  config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
+
+  # Logging and checkpoints.
+  config.progress_every = 50
+  config.eval_every = 1000
+  config.checkpoint_every = 1000
+  config.keep_checkpoints = 2
+  return config
+
+
+def with_model(config: ml_collections.ConfigDict, model_name: str) -> ml_collections.ConfigDict:
+  """Sets `model_name` and copies the registry's model config into `config.model`."""
+  if model_name not in models.MODEL_CONFIGS:
+    raise ValueError(f'Unknown model {model_name!r}. Known models: '
+                     f'{", ".join(models.MODEL_CONFIGS)}.')
+  config.model_name = model_name
+  config.model = models.MODEL_CONFIGS[model_name].copy_and_resolve_references()
+  return config

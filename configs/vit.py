@@ -1,0 +1,55 @@
+"""`--config=configs/vit.py:MODEL,DATASET`: a registry model on a dataset preset.
+
+MODEL is a short name (ti16, s16, b16, l16, h14, b32, r50_b16, ...: see MODELS) or a registry
+name (ViT-B_16); DATASET a preset of DATASETS, the embedded dataset, any tfds name, or an image
+folder DIR with DIR/train/<class>/* and DIR/test/<class>/*. Without a pretrained path this trains
+from scratch; with `--config.pretrained_path=FILE.npz` it fine-tunes as in the paper
+(momentum SGD, batch 512, cosine decay, no weight decay, global-norm clip 1).
+"""
+import ml_collections
+
+from configs import common
+from configs import models
+
+MODELS = {
+    'ti16': 'ViT-Ti_16', 's16': 'ViT-S_16', 's32': 'ViT-S_32', 'b8': 'ViT-B_8',
+    'b16': 'ViT-B_16', 'b32': 'ViT-B_32', 'l16': 'ViT-L_16', 'l32': 'ViT-L_32',
+    'h14': 'ViT-H_14', 's16_gap': 'ViT-S_16-gap', 's32_gap': 'ViT-S_32-gap',
+    'b16_gap': 'ViT-B_16-gap', 'b32_gap': 'ViT-B_32-gap', 'r_ti16': 'R+ViT-Ti_16',
+    'r26_s32': 'R26+ViT-S_32', 'r26_b32': 'R26+ViT-B_32', 'r50_b16': 'R50+ViT-B_16',
+    'r50_l32': 'R50+ViT-L_32', 'testing': 'testing',
+}
+
+# Fine-tuning presets of the paper's transfer experiments (Appendix B.1.1), at 384 px.
+DATASETS = {
+    'cifar10': dict(train_split='train[:98%]', test_split='test', total_steps=10_000,
+                    crop=384, resize=None, flip=True),
+    'cifar100': dict(train_split='train[:98%]', test_split='test', total_steps=10_000,
+                     crop=384, resize=None, flip=True),
+    'imagenet2012': dict(train_split='train[:99%]', test_split='validation',
+                         total_steps=20_000, crop=384, resize=438, flip=True),
+    'oxford_iiit_pet': dict(train_split='train[:90%]', test_split='test', total_steps=500,
+                            crop=384, resize=None, flip=True),
+    'oxford_flowers102': dict(train_split='train', test_split='test', total_steps=500,
+                              crop=384, resize=None, flip=True),
+    'fashion_mnist_embedded': dict(train_split='train', test_split='test', total_steps=2_000,
+                                   crop=224, resize=None, flip=True),
+}
+# Anything else (a tfds name or an image folder) gets these.
+OTHER_DATASET = dict(train_split='train', test_split='test', total_steps=2_000, crop=384,
+                     resize=None, flip=True)
+
+
+def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
+  model, _, dataset = arg.partition(',')
+  if not dataset:
+    raise ValueError(f'--config=configs/vit.py:{arg}: give MODEL,DATASET, e.g. b16,cifar10.')
+  config = common.with_model(common.get_config(), MODELS.get(model, model))
+  preset = DATASETS.get(dataset, OTHER_DATASET)
+  config.dataset = dataset
+  config.train_split, config.test_split = preset['train_split'], preset['test_split']
+  config.total_steps = preset['total_steps']
+  config.pp.crop, config.pp.resize, config.pp.flip = preset['crop'], preset['resize'], preset[
+      'flip']
+  config.eval_every = config.checkpoint_every = max(config.total_steps // 10, 100)
+  return config

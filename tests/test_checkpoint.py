@@ -1,0 +1,266 @@
+"""Tests of the published .npz layout and the fine-tuning setup, vit_jax/checkpoint.py."""
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax import models_vit
+
+TINY = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
+POSEMB = checkpoint.POSEMB_PATH
+
+
+def random_params(model, image_hw, seed=0):
+  """Random nonzero parameters (head and cls included) of `model` for images of `image_hw`.
+
+  Shapes come from jax.eval_shape: nothing is compiled, which keeps the tests fast.
+  """
+  images = jax.ShapeDtypeStruct((1, *image_hw, 3), np.float32)
+  shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), shapes['params'])
+
+
+def images_of(size, batch=2, seed=0):
+  return np.random.default_rng(seed).uniform(-1, 1, (batch, size, size, 3)).astype(np.float32)
+
+
+def flat(params):
+  return traverse_util.flatten_dict(params)
+
+
+def assert_trees_equal(actual, expected):
+  assert flat(actual).keys() == flat(expected).keys()
+  for path, value in flat(expected).items():
+    np.testing.assert_array_equal(flat(actual)[path], value, err_msg='/'.join(path))
+
+
+def logits_of(model, params, images):
+  return np.asarray(jax.jit(model.apply, static_argnames='train')({'params': params}, images,
+                                                                  train=False))
+
+
+def small_config(**fields):
+  """The registry's tiny 'testing' model (patch 16, hidden 16, 1 layer) with `fields` changed."""
+  config = models.get_model_config('testing')
+  config.update(fields)
+  return config
+
+
+def write_pretrained(path, image_size=224, **fields):
+  """Saves random parameters of the 'testing' model at `image_size`; returns them."""
+  model = models.get_model(small_config(**fields), num_classes=7)
+  params = random_params(model, (image_size, image_size))
+  checkpoint.save(params, path)
+  return params
+
+
+def init_params(config, image_hw, num_classes=3):
+  """Stands for the target model's freshly initialised parameters."""
+  return random_params(models.get_model(config, num_classes=num_classes), image_hw, seed=1)
+
+
+def test_save_then_load_is_exact_and_writes_pre_linen_names(tmp_path):
+  params = random_params(models_vit.VisionTransformer(num_classes=5, representation_size=7,
+                                                     **TINY), (16, 16))
+  checkpoint.save(params, tmp_path / 'model.npz')
+  keys = set(np.load(tmp_path / 'model.npz').files)
+  assert 'Transformer/encoderblock_1/MultiHeadDotProductAttention_1/query/kernel' in keys
+  assert {'Transformer/encoderblock_0/LayerNorm_2/scale',
+          'Transformer/encoderblock_0/MlpBlock_3/Dense_1/bias', 'pre_logits/kernel'} <= keys
+  assert not any('MultiHeadDotProductAttention_0' in key for key in keys)
+  assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+
+
+def test_linen_names_option_writes_the_model_numbering(tmp_path):
+  params = random_params(models_vit.VisionTransformer(num_classes=5, **TINY), (16, 16))
+  checkpoint.save(params, tmp_path / 'model.npz', linen_names=True)
+  keys = set(np.load(tmp_path / 'model.npz').files)
+  assert 'Transformer/encoderblock_1/MultiHeadDotProductAttention_0/out/kernel' in keys
+  assert 'Transformer/encoderblock_1/LayerNorm_1/bias' in keys
+  assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+
+
+def test_old_hybrid_file_with_pre_linen_names_and_4d_group_norm_loads_into_place(tmp_path):
+  model = models_vit.VisionTransformer(
+      num_classes=5, **{**TINY, 'patch_size': (2, 2)}, resnet_layers=(1,), resnet_width_factor=0.5)
+  params = random_params(model, (32, 32))
+  old_names = {'MultiHeadDotProductAttention_0': 'MultiHeadDotProductAttention_1',
+               'LayerNorm_1': 'LayerNorm_2', 'MlpBlock_0': 'MlpBlock_3'}
+  arrays = {}
+  for path, value in flat(params).items():
+    if path[0] == 'Transformer' and path[1].startswith('encoderblock_'):
+      path = (*path[:2], old_names.get(path[2], path[2]), *path[3:])
+    if len(path) > 1 and path[-2].startswith('gn'):
+      value = value.reshape(1, 1, 1, -1)
+    arrays['/'.join(path)] = value
+  assert arrays['block1/unit1/gn_proj/scale'].shape == (1, 1, 1, 128)
+  np.savez(tmp_path / 'old.npz', **arrays)
+
+  loaded = checkpoint.load(tmp_path / 'old.npz')
+  assert_trees_equal(loaded, params)
+  images = images_of(32)
+  np.testing.assert_array_equal(logits_of(model, loaded, images), logits_of(model, params, images))
+
+
+def test_load_reads_paths_with_a_scheme_through_gfile(tmp_path):
+  params = write_pretrained(tmp_path / 'model.npz')
+  assert_trees_equal(checkpoint.load(f'file://{tmp_path}/model.npz'), params)
+
+
+def test_finetune_setup_from_224_to_384_px(tmp_path):
+  pretrained = write_pretrained(tmp_path / 'model.npz', representation_size=16)
+  config = small_config()
+  init = init_params(config, (384, 384))
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+
+  assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, init)
+  assert 'pre_logits' not in params  # The target has no representation layer.
+  assert_trees_equal(params['head'], init['head'])  # Fresh, for 3 classes.
+  assert_trees_equal(params['Transformer']['encoderblock_0'],
+                     pretrained['Transformer']['encoderblock_0'])
+  old, new = flat(pretrained)[POSEMB], flat(params)[POSEMB]
+  assert (old.shape, new.shape) == ((1, 197, 16), (1, 577, 16))
+  np.testing.assert_array_equal(new[:, 0], old[:, 0])  # The class-token row.
+  old_grid, new_grid = old[0, 1:].reshape(14, 14, 16), new[0, 1:].reshape(24, 24, 16)
+  for corner in [(0, 0), (0, -1), (-1, 0), (-1, -1)]:
+    np.testing.assert_allclose(new_grid[corner], old_grid[corner], rtol=1e-6)
+
+
+def test_representation_layer_is_kept_when_the_target_has_one(tmp_path):
+  pretrained = write_pretrained(tmp_path / 'model.npz', representation_size=16)
+  config = small_config(representation_size=16)
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
+                                      config)
+  assert_trees_equal(params['pre_logits'], pretrained['pre_logits'])
+  assert_trees_equal(params['Transformer'], pretrained['Transformer'])  # Same grid: no resize.
+
+
+def test_gap_model_resizes_its_grid_without_a_class_row(tmp_path):
+  pretrained = write_pretrained(tmp_path / 'model.npz', classifier='gap')
+  config = small_config(classifier='gap')
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (384, 384)),
+                                      config)
+  old, new = flat(pretrained)[POSEMB], flat(params)[POSEMB]
+  assert (old.shape, new.shape) == ((1, 196, 16), (1, 576, 16))
+  np.testing.assert_allclose(new[0, [0, 23, -24, -1]], old[0, [0, 13, -14, -1]], rtol=1e-6)
+
+
+def test_non_square_target_grid_is_given_explicitly(tmp_path):
+  write_pretrained(tmp_path / 'model.npz')
+  config = small_config()
+  init = init_params(config, (224, 320))
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config, grid=(14, 20))
+  assert flat(params)[POSEMB].shape == (1, 14 * 20 + 1, 16)
+  with pytest.raises(ValueError, match=r"model's position embeddings: 280 grid positions are "
+                                       r'not a square grid; give the grid'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+  with pytest.raises(ValueError, match=r'grid=\(14, 21\) gives 295 .* the model has 281'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config, grid=(14, 21))
+
+
+def test_bilinear_resize_interpolates_in_2d_with_corners_aligned():
+  # Embeddings linear in the grid position are reproduced exactly on the new grid, whose
+  # corners coincide with the old ones: row r of 3 rows is at r/2 of the height, of 5 rows at r/4.
+  rows, cols = np.meshgrid(np.arange(3) / 2, np.arange(4) / 3, indexing='ij')
+  grid = np.stack([rows, cols, rows - 2 * cols], axis=-1).reshape(1, 12, 3)
+  cls = np.full((1, 1, 3), 7.0)
+  resized = checkpoint.resize_posemb(np.concatenate([cls, grid], axis=1), (5, 7),
+                                     has_class_token=True, source_grid_hw=(3, 4))
+  rows, cols = np.meshgrid(np.arange(5) / 4, np.arange(7) / 6, indexing='ij')
+  expected = np.stack([rows, cols, rows - 2 * cols], axis=-1).reshape(1, 35, 3)
+  np.testing.assert_array_equal(resized[:, :1], cls)
+  np.testing.assert_allclose(resized[:, 1:], expected, atol=1e-6)
+
+
+def test_bicubic_differs_from_bilinear_on_curved_embeddings():
+  posemb = np.random.default_rng(0).normal(size=(1, 17, 5)).astype(np.float32)
+  resize = lambda method: checkpoint.resize_posemb(posemb, (6, 6), has_class_token=True,
+                                                   method=method)
+  bilinear, bicubic = resize('bilinear'), resize('bicubic')
+  assert bilinear.dtype == np.float32 and bicubic.shape == (1, 37, 5)
+  assert not np.allclose(bilinear, bicubic, atol=1e-3)
+  np.testing.assert_allclose(bicubic[0, [1, 6, 31, 36]], posemb[0, [1, 4, 13, 16]], rtol=1e-5)
+  with pytest.raises(ValueError, match=r"posemb_method='area'; choose one of \['bilinear', "
+                                       r"'bicubic'\]"):
+    resize('area')
+
+
+def test_missing_file_names_the_path(tmp_path):
+  with pytest.raises(FileNotFoundError, match=f'No such checkpoint file: {tmp_path}/nope.npz'):
+    checkpoint.load(tmp_path / 'nope.npz')
+
+
+def test_file_that_is_not_an_archive_names_the_path(tmp_path):
+  (tmp_path / 'model.npz').write_text('not a checkpoint')
+  with pytest.raises(ValueError, match=f'{tmp_path}/model.npz is not an .npz checkpoint '
+                                       r'archive \(not a zip file\)'):
+    checkpoint.load(tmp_path / 'model.npz')
+  write_pretrained(tmp_path / 'cut.npz')
+  data = (tmp_path / 'cut.npz').read_bytes()
+  (tmp_path / 'cut.npz').write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f'{tmp_path}/cut.npz is a damaged .npz checkpoint archive'):
+    checkpoint.load(tmp_path / 'cut.npz')
+
+
+def test_missing_and_unexpected_parameters_are_named_with_their_shapes(tmp_path):
+  params = write_pretrained(tmp_path / 'model.npz')
+  del params['Transformer']['encoderblock_0']['LayerNorm_1']
+  params['extra'] = {'kernel': np.ones((2, 3), np.float32)}
+  checkpoint.save(params, tmp_path / 'edited.npz')
+  config = small_config()
+  with pytest.raises(checkpoint.CheckpointError) as error:
+    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (224, 224)), config)
+  message = str(error.value)
+  assert message.startswith(f'{tmp_path}/edited.npz does not fit the model: ')
+  assert 'missing Transformer/encoderblock_0/LayerNorm_1/bias (16,)' in message
+  assert 'missing Transformer/encoderblock_0/LayerNorm_1/scale (16,)' in message
+  assert 'unexpected extra/kernel (2, 3)' in message
+  assert '\n' not in message
+
+
+def test_differing_shapes_are_named_with_both_shapes(tmp_path):
+  write_pretrained(tmp_path / 'model.npz')
+  config = small_config()
+  config.transformer.mlp_dim = 24
+  with pytest.raises(ValueError, match=r'Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel '
+                                       r'is \(16, 32\) in the file but \(16, 24\) in the model'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+  params = checkpoint.load(tmp_path / 'model.npz')
+  params['Transformer']['posembed_input']['pos_embedding'] = np.zeros((1, 197, 8), np.float32)
+  checkpoint.save(params, tmp_path / 'edited.npz')
+  config = small_config()
+  with pytest.raises(ValueError, match=r'does not fit the model: Transformer/posembed_input/'
+                                       r'pos_embedding is \(1, 197, 8\) in the file but '
+                                       r'\(1, 577, 16\) in the model\. Check that'):
+    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (384, 384)), config)
+
+
+def test_representation_layer_missing_from_the_file_is_an_error(tmp_path):
+  write_pretrained(tmp_path / 'model.npz')
+  config = small_config(representation_size=16)
+  with pytest.raises(ValueError, match=r'missing pre_logits/bias \(16,\); missing '
+                                       r'pre_logits/kernel \(16, 16\)'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+
+
+def test_class_token_checkpoint_into_a_gap_model_is_an_error(tmp_path):
+  write_pretrained(tmp_path / 'model.npz')
+  config = small_config(classifier='gap')
+  with pytest.raises(ValueError, match=r'unexpected cls \(1, 1, 16\)'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+
+
+def test_model_overrides_are_recorded_next_to_the_checkpoint(tmp_path):
+  path = tmp_path / 'model.npz'
+  assert checkpoint.load_model_overrides(path) == {}
+  checkpoint.save_model_overrides({'approximate_gelu': False}, path, note='from timm')
+  assert os.path.isfile(tmp_path / 'model.overrides.json')
+  assert checkpoint.load_model_overrides(path) == {'approximate_gelu': False}
+  (tmp_path / 'model.overrides.json').write_text('{"approximate')
+  with pytest.raises(ValueError, match=r'model.overrides.json is not a model-overrides record'):
+    checkpoint.load_model_overrides(path)

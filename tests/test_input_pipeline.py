@@ -1,0 +1,333 @@
+"""Tests of the input pipeline on its three kinds of source: embedded, image folder and tfds.
+
+The tfds dataset is written from the embedded data into a temporary `data_dir` and read back by
+name, the way users read `cifar10`; the image folder is written as PNG/JPEG files.
+"""
+import collections
+import io
+import json
+import logging
+import os
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow_datasets as tfds
+
+from vit_jax import input_pipeline as ip
+from vit_jax import input_pipeline_sources
+
+EMBEDDED = np.load(input_pipeline_sources.EMBEDDED_PATH)
+FOLDER_CLASSES = ('bag', 'coat', 'sandal')  # Fashion-MNIST classes 8, 4, 5.
+FOLDER_CLASS_IDS = (8, 4, 5)
+
+
+def make_config(pp=None, **overrides) -> ml_collections.ConfigDict:
+  """A small config: 28 px images, batches of 8."""
+  config = dict(
+      dataset=ip.EMBEDDED_DATASET, tfds_data_dir=None, tfds_manual_dir=None,
+      train_split='train', test_split='test',
+      pp={'crop': 28, 'resize': None, 'flip': True, 'inception_crop': True, **(pp or {})},
+      batch=8, batch_eval=8, seed=0, skip_bad_images=False, shuffle_buffer=64, prefetch=1)
+  config.update(overrides)
+  return ml_collections.ConfigDict(config)
+
+
+def take(batches, n):
+  return [next(batches) for _ in range(n)]
+
+
+def image_counts(batches) -> collections.Counter:
+  """How often each image (by its bytes) appears in `batches`, not counting padding."""
+  return collections.Counter(
+      image.tobytes() for b in batches
+      for image, real in zip(b['image'], b.get('mask', np.ones(len(b['image'])))) if real)
+
+
+def embedded_rgb(images: np.ndarray) -> np.ndarray:
+  """uint8 (n, 28, 28) grey -> float32 (n, 28, 28, 3) in [-1, 1], as the pipeline makes them."""
+  return np.repeat(images[..., None], 3, axis=-1).astype(np.float32) / 127.5 - 1
+
+
+# Sources for the tests.
+
+
+class TinyFashionMnist(tfds.core.GeneratorBasedBuilder):
+  """120 train and 40 test images of the embedded data, as a tfds dataset."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(28, 28, 1)),
+        'label': tfds.features.ClassLabel(names=[str(n) for n in EMBEDDED['label_names']]),
+    }))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples('train', 120),
+            'test': self._generate_examples('test', 40)}
+
+  def _generate_examples(self, split, count):
+    for i in range(count):
+      png = io.BytesIO()
+      Image.fromarray(EMBEDDED[f'{split}_images'][i]).save(png, format='png')
+      png.seek(0)
+      yield i, {'image': png,
+                'label': EMBEDDED[f'{split}_labels'][i]}
+
+
+@pytest.fixture(scope='module')
+def tfds_config_factory(tmp_path_factory):
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  TinyFashionMnist(data_dir=data_dir).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  return lambda **kw: make_config(dataset='tiny_fashion_mnist', tfds_data_dir=data_dir, **kw)
+
+
+def write_folder(root, split, per_class, ext='png'):
+  """Writes `per_class` embedded images of each of FOLDER_CLASSES to root/split/<class>/."""
+  for name, class_id in zip(FOLDER_CLASSES, FOLDER_CLASS_IDS):
+    os.makedirs(root / split / name, exist_ok=True)
+    images = EMBEDDED[f'{split}_images'][EMBEDDED[f'{split}_labels'] == class_id][:per_class]
+    for i, image in enumerate(images):
+      Image.fromarray(image).save(root / split / name / f'{i}.{ext}')
+
+
+@pytest.fixture(scope='module')
+def folder(tmp_path_factory):
+  """15 training images (PNG and JPEG) and 6 test images (PNG) of 3 classes."""
+  root = tmp_path_factory.mktemp('folder')
+  write_folder(root, 'train', 4)
+  write_folder(root, 'train', 1, ext='JPEG')
+  write_folder(root, 'test', 2)
+  return root
+
+
+@pytest.fixture(params=['embedded', 'folder', 'tfds'])
+def config_factory(request, folder, tfds_config_factory):
+  """Builds configs for each kind of source."""
+  if request.param == 'embedded':
+    return make_config
+  if request.param == 'folder':
+    return lambda **kw: make_config(dataset=str(folder), **kw)
+  return tfds_config_factory
+
+
+# Each source yields correct shapes, value ranges and labels.
+
+
+def test_embedded_dataset_info():
+  info = ip.get_dataset_info(make_config(train_split='train[:98%]', test_split='test'))
+  assert info.num_classes == 10
+  assert info.label_names[0] == 'T-shirt/top' and info.label_names[9] == 'Ankle boot'
+  assert (info.num_train, info.num_test) == (19_600, 10_000)
+
+
+def test_train_batches_have_shapes_ranges_and_labels(config_factory):
+  config = config_factory(pp=dict(crop=40))
+  for batch in take(ip.train_batches(config), 3):
+    assert batch['image'].shape == (8, 40, 40, 3) and batch['image'].dtype == np.float32
+    assert -1 <= batch['image'].min() < batch['image'].max() <= 1
+    assert batch['label'].dtype == np.int32
+    assert set(batch['label']) <= set(range(ip.get_dataset_info(config).num_classes))
+
+
+def test_embedded_eval_yields_the_stored_test_images_and_labels():
+  batches = list(ip.eval_batches(make_config(test_split='test[:20]')))
+  images = np.concatenate([b['image'] for b in batches])[:20]
+  labels = np.concatenate([b['label'] for b in batches])[:20]
+  np.testing.assert_allclose(images, embedded_rgb(EMBEDDED['test_images'][:20]), atol=1e-6)
+  np.testing.assert_array_equal(labels, EMBEDDED['test_labels'][:20])
+
+
+def test_eval_resizes_the_short_side_then_crops_the_centre():
+  batch = next(ip.eval_batches(make_config(pp=dict(resize=36, crop=32))))
+  assert batch['image'].shape == (8, 32, 32, 3)
+
+
+def test_folder_labels_follow_sorted_class_folders(folder):
+  config = make_config(dataset=str(folder), batch_eval=4)
+  info = ip.get_dataset_info(config)
+  assert info.label_names == list(FOLDER_CLASSES)
+  assert (info.num_train, info.num_test) == (15, 6)
+  stored = {embedded_rgb(image[None])[0].tobytes(): FOLDER_CLASS_IDS.index(label)
+            for image, label in zip(EMBEDDED['test_images'], EMBEDDED['test_labels'])
+            if label in FOLDER_CLASS_IDS}
+  seen = [(image.tobytes(), label) for b in ip.eval_batches(config)
+          for image, label, real in zip(b['image'], b['label'], b['mask']) if real]
+  assert len(seen) == 6
+  assert all(stored[image] == label for image, label in seen)
+
+
+def test_tfds_reads_label_names_and_split_strings(tfds_config_factory):
+  config = tfds_config_factory(train_split='train[:25%]', test_split='test[10:]')
+  info = ip.get_dataset_info(config)
+  assert info.label_names == [str(n) for n in EMBEDDED['label_names']]
+  assert (info.num_classes, info.num_train, info.num_test) == (10, 30, 30)
+  def test_images(split):
+    return image_counts(ip.eval_batches(tfds_config_factory(test_split=split)))
+
+  stored = collections.Counter(
+      image.tobytes() for image in embedded_rgb(EMBEDDED['test_images'][:40]))
+  assert test_images('test') == stored
+  assert test_images('test[:10]') + test_images('test[10:]') == stored
+
+
+def test_embedded_and_folder_read_split_strings(folder):
+  assert ip.get_dataset_info(make_config(test_split='test[:10%]+train[-5:]')).num_test == 1005
+  assert ip.get_dataset_info(make_config(dataset=str(folder), train_split='train[:50%]')
+                             ).num_train == 8
+
+
+# Per-process splitting, order and resuming.
+
+
+def test_two_processes_cover_every_example_once(config_factory):
+  config = config_factory(train_split='train[:12]', test_split='test[:6]', batch=4, batch_eval=4,
+                          pp=dict(flip=False, inception_crop=False))
+  one_epoch = 12 // 4  # Steps for each process to see its 6 training examples.
+  train = sum((image_counts(take(ip.train_batches(config, process_index=p, process_count=2),
+                                 one_epoch)) for p in range(2)), collections.Counter())
+  assert train == image_counts(ip.eval_batches(config_factory(
+      test_split='train[:12]', pp=dict(flip=False, inception_crop=False))))
+  test = sum((image_counts(ip.eval_batches(config, process_index=p, process_count=2))
+              for p in range(2)), collections.Counter())
+  assert test == image_counts(ip.eval_batches(config))
+  assert sum(test.values()) == 6
+
+
+def test_same_seed_same_batches_and_resume_continues_identically(config_factory):
+  config = config_factory(train_split='train[:12]')  # Steps 1 and 4 cross epoch boundaries.
+  run = take(ip.train_batches(config), 6)
+  again = take(ip.train_batches(config), 6)
+  resumed = take(ip.train_batches(config, start_step=3), 3)
+  other_seed = next(ip.train_batches(config_factory(train_split='train[:12]', seed=1)))
+  for a, b in zip(run, again):
+    np.testing.assert_array_equal(a['image'], b['image'])
+  for a, b in zip(run[3:], resumed):
+    np.testing.assert_array_equal(a['image'], b['image'])
+    np.testing.assert_array_equal(a['label'], b['label'])
+  assert not np.array_equal(run[0]['image'], other_seed['image'])
+
+
+def test_eval_padding_counts_every_example_once_with_equal_batch_counts():
+  config = make_config(test_split='test[:45]', batch_eval=16)
+  per_process = [list(ip.eval_batches(config, process_index=p, process_count=2))
+                 for p in range(2)]  # Shares of 22 and 23 examples, batches of 8.
+  assert [len(batches) for batches in per_process] == [3, 3]
+  assert sum(b['mask'].sum() for batches in per_process for b in batches) == 45
+  assert per_process[0][-1]['mask'].tolist() == [1] * 6 + [0] * 2
+
+
+# Global arrays on a mesh.
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ('data', 'model'))
+
+
+def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
+  config = make_config(batch=16, train_split='train[:40]')
+  iterator = ip.get_train_iterator(config, mesh)
+  first = next(iterator)
+  assert first['image'].shape == (16, 28, 28, 3) and first['label'].shape == (16,)
+  assert first['image'].sharding == NamedSharding(mesh, P('data'))
+  next(iterator)
+  state = json.loads(json.dumps(iterator.get_state()))
+  assert state['step'] == 2
+  expected = take(iterator, 2)
+  resumed = take(ip.restore_train_iterator(config, mesh, state), 2)
+  for a, b in zip(expected, resumed):
+    np.testing.assert_array_equal(a['image'], b['image'])
+  with pytest.raises(ValueError, match=r'seed: saved 0, now 1.*start_step'):
+    ip.restore_train_iterator(make_config(batch=16, train_split='train[:40]', seed=1), mesh, state)
+
+
+def test_eval_iterator_yields_every_test_example_once(mesh):
+  config = make_config(test_split='test[:50]', batch_eval=16)
+  batches = list(ip.get_eval_iterator(config, mesh))
+  assert len(batches) == 4
+  assert batches[0]['mask'].sharding == NamedSharding(mesh, P('data'))
+  assert sum(float(b['mask'].sum()) for b in batches) == 50
+  labels = np.concatenate([b['label'] for b in batches])[:50]
+  np.testing.assert_array_equal(labels, EMBEDDED['test_labels'][:50])
+
+
+# Bad input gets a clear message.
+
+
+def test_missing_split_folder_is_named(tmp_path):
+  write_folder(tmp_path, 'train', 1)
+  with pytest.raises(FileNotFoundError, match=f'{tmp_path}/test does not exist'):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+
+
+def test_empty_split_folder_is_named(tmp_path):
+  write_folder(tmp_path, 'train', 1)
+  os.makedirs(tmp_path / 'test' / 'bag')
+  with pytest.raises(ValueError, match=f'{tmp_path}/test contains no .jpg/.jpeg/.png files'):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+  os.rmdir(tmp_path / 'test' / 'bag')
+  with pytest.raises(ValueError, match=f'{tmp_path}/test has no class subfolders'):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+
+
+def test_test_class_missing_from_train_is_named(tmp_path):
+  write_folder(tmp_path, 'train', 1)
+  write_folder(tmp_path, 'test', 1)
+  os.rename(tmp_path / 'train' / 'coat', tmp_path / 'train' / 'jacket')
+  with pytest.raises(ValueError, match=f'{tmp_path}/test/coat has no counterpart in the train'):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+
+
+@pytest.fixture
+def folder_with_bad_image(tmp_path):
+  write_folder(tmp_path, 'train', 3)
+  write_folder(tmp_path, 'test', 1)
+  bad = tmp_path / 'train' / 'coat' / 'broken.jpg'
+  bad.write_bytes(b'\xff\xd8\xff not really a JPEG')
+  return tmp_path, str(bad)
+
+
+def test_undecodable_image_fails_with_its_path(folder_with_bad_image):
+  root, bad = folder_with_bad_image
+  with pytest.raises(ValueError, match=f'Cannot decode image {bad}.*skip_bad_images=True'):
+    take(ip.train_batches(make_config(dataset=str(root))), 3)
+
+
+def test_undecodable_image_is_skipped_and_counted(folder_with_bad_image, caplog):
+  root, bad = folder_with_bad_image
+  config = make_config(dataset=str(root), skip_bad_images=True)
+  with caplog.at_level(logging.WARNING):
+    info = ip.get_dataset_info(config)
+  assert info.num_train == 9
+  assert f'Skipping 1 undecodable image(s) of 10 in {root}/train' in caplog.text
+  assert bad in caplog.text
+  assert len(take(ip.train_batches(config), 3)) == 3
+
+
+def test_unknown_dataset_name_is_explained():
+  with pytest.raises(ValueError, match="'no_such_dataset' is neither 'fashion_mnist_embedded'"):
+    ip.get_dataset_info(make_config(dataset='no_such_dataset'))
+
+
+def test_bad_split_is_explained(tfds_config_factory):
+  with pytest.raises(ValueError, match="splits train and test, not 'validation'"):
+    ip.get_dataset_info(make_config(test_split='validation'))
+  with pytest.raises(ValueError, match=r"Bad split 'test\[:20000\]' for 'fashion_mnist_embedded'"):
+    ip.get_dataset_info(make_config(test_split='test[:20000]'))
+  with pytest.raises(ValueError, match="Bad split 'validation' for tfds dataset"):
+    ip.get_dataset_info(tfds_config_factory(test_split='validation'))
+
+
+def test_batch_sizes_that_do_not_divide_are_explained(mesh):
+  with pytest.raises(ValueError, match='config.batch=9 is not divisible by the number of proc'):
+    next(ip.train_batches(make_config(batch=9), process_count=2))
+  with pytest.raises(ValueError, match="config.batch_eval=12 is not divisible by the 8 devices"):
+    ip.get_eval_iterator(make_config(batch_eval=12), mesh)
+  with pytest.raises(ValueError, match='config.pp.resize=20 is smaller than config.pp.crop=28'):
+    next(ip.eval_batches(make_config(pp=dict(resize=20))))

@@ -1,0 +1,121 @@
+"""Tests of the command-line classifier, vit_jax/predict.py, on the real photos in tests/data."""
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax import predict
+
+DATA = os.path.join(os.path.dirname(__file__), 'data')
+PHOTOS = [os.path.join(DATA, name) for name in
+          ('imagenet_00_243.jpg', 'imagenet_02_438.jpg', 'imagenet_14_129.jpg', 'cifar10_00_3.png')]
+LABELS = ['ant', 'bee', 'cat', 'dog', 'eel']
+
+
+def random_params(model, image_size, seed=0):
+  """Random nonzero parameters of `model` at `image_size`, from shapes (nothing compiled)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                      models.param_shapes(model, image_size))
+
+
+@pytest.fixture(name='files')
+def fixture_files(tmp_path):
+  """A checkpoint of the tiny 'testing' model (patch 16) at 32 px, 5 labels, a corrupt image."""
+  params = random_params(models.get_model('testing', num_classes=5), 32)
+  checkpoint.save(params, tmp_path / 'model.npz')
+  (tmp_path / 'labels.txt').write_text('\n'.join(LABELS) + '\n')
+  (tmp_path / 'corrupt.jpg').write_bytes(open(PHOTOS[0], 'rb').read()[:300])
+  return params, str(tmp_path)
+
+
+def parse_output(text):
+  """{image path: [(probability in %, label, index), ...]} from predict's standard output."""
+  results, current = {}, None
+  for line in text.splitlines():
+    if line.startswith('  '):
+      percent, label, index = re.fullmatch(r'\s+([\d.]+)%  (.+) \((\d+)\)', line).groups()
+      results[current].append((float(percent), label, int(index)))
+    else:
+      current = line.rsplit(' (', 1)[0]
+      results[current] = []
+  return results
+
+
+def test_prints_top_5_of_each_real_photo_and_reports_bad_files_by_name(files, capsys):
+  params, tmp = files
+  missing, corrupt = f'{tmp}/missing.jpg', f'{tmp}/corrupt.jpg'
+  status = predict.main(['--model', 'testing', '--checkpoint', f'{tmp}/model.npz',
+                         '--labels', f'{tmp}/labels.txt', PHOTOS[0], missing, corrupt, *PHOTOS[1:]])
+  out, err = capsys.readouterr()
+  assert status == 1
+  assert f'error: {missing}: no such file' in err
+  assert f'error: {corrupt}: cannot decode the image' in err
+  assert f'{PHOTOS[0]} (32x32 px):' in out
+  results = parse_output(out)
+  assert list(results) == PHOTOS
+
+  model = models.get_model('testing', num_classes=5)
+  images = np.stack([predict.load_image(p, 32) for p in PHOTOS])
+  expected = jax.jit(lambda x: jax.nn.softmax(model.apply({'params': params}, x, train=False)))(
+      images)
+  for path, probabilities in zip(PHOTOS, np.asarray(expected) * 100):
+    top = results[path]
+    assert [i for _, _, i in top] == list(np.argsort(-probabilities)[:5])
+    assert [label for _, label, _ in top] == [LABELS[i] for _, _, i in top]
+    np.testing.assert_allclose([p for p, _, _ in top], np.sort(probabilities)[::-1], atol=0.01)
+
+
+def test_other_image_size_resizes_the_position_embeddings(files, capsys):
+  _, tmp = files
+  assert predict.main(['--model', 'testing', '--checkpoint', f'{tmp}/model.npz',
+                       '--image_size', '48', PHOTOS[0]]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f'{PHOTOS[0]} (48x48 px):\n')
+  top = parse_output(out)[PHOTOS[0]]
+  assert len(top) == 5 and all(label == f'class {i}' for _, label, i in top)  # No --labels.
+
+
+def test_model_resolution_comes_from_the_position_embeddings():
+  model = models.get_model('ViT-B_16', num_classes=1000)
+  assert predict.native_image_size(models.param_shapes(model, 384), model) == 384
+  hybrid = models.get_model('R50+ViT-B_16', num_classes=1000)
+  assert predict.native_image_size(models.param_shapes(hybrid, 224), hybrid) == 224
+
+
+def test_load_image_resizes_and_scales_to_minus_one_one():
+  image = predict.load_image(PHOTOS[0], 64)
+  assert image.shape == (64, 64, 3) and image.dtype == np.float32
+  assert -1 <= image.min() < -0.5 and 0.5 < image.max() <= 1
+  assert predict.load_image(PHOTOS[3], 64).shape == (64, 64, 3)  # A 32x32 PNG, upsampled.
+
+
+def test_imagenet2012_labels_are_tfds_names_in_label_order():
+  names = predict.load_labels('imagenet2012', 1000)
+  assert len(names) == 1000
+  assert (names[0], names[243], names[438]) == ('n01440764', 'n02108422', 'n02815834')
+
+
+def test_checkpoint_errors_are_one_line_and_exit_with_2(files, capsys):
+  _, tmp = files
+  run = lambda *args: predict.main(['--checkpoint', *args, PHOTOS[0]])
+  assert run(f'{tmp}/nope.npz', '--model', 'testing') == 2
+  assert capsys.readouterr().err == f'error: No such checkpoint file: {tmp}/nope.npz\n'
+  assert run(f'{tmp}/model.npz', '--model', 'ViT-Ti_16') == 2
+  assert re.fullmatch(rf'error: {tmp}/model.npz does not fit the model: Transformer/encoder_norm/'
+                      r'bias is \(16,\) in the file but \(192,\) in the model; .*\n',
+                      capsys.readouterr().err)
+  assert run(f'{tmp}/model.npz', '--model', 'testing', '--labels', 'imagenet2012') == 2
+  assert 'name 1000 classes but the checkpoint has 5' in capsys.readouterr().err
+
+
+def test_fields_recorded_next_to_the_checkpoint_build_the_model(files):
+  params, _ = files
+  model = predict.model_for('testing', params, {'approximate_gelu': False})
+  assert (model.approximate_gelu, model.num_classes, model.representation_size) == (False, 5, None)
+  with pytest.raises(ValueError, match='has no head/ parameters'):
+    predict.model_for('testing', {k: v for k, v in params.items() if k != 'head'}, {})

@@ -1,0 +1,194 @@
+"""Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default as default_config
+from configs import models as model_configs
+from vit_jax import checkpoint
+from vit_jax import input_pipeline
+from vit_jax import train
+
+
+def tiny_config(**overrides):
+  """The default config shrunk to a model and schedule that train in seconds."""
+  config = default_config.get_config()
+  config.model = model_configs.vit('tiny', patch=7, hidden=32, mlp=64, heads=2, layers=1)
+  config.model_name = 'tiny'
+  config.pp.inception_crop = False
+  config.update(dict(batch=64, batch_eval=1000, total_steps=60, warmup_steps=5, base_lr=1e-2,
+                     label_smoothing=0.0, progress_every=20, eval_every=60, checkpoint_every=20))
+  config.update(overrides)
+  return config
+
+
+def read_scalars(workdir):
+  """{tag: {step: value}} from the TensorBoard event files in `workdir`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  scalars = {}
+  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.metadata.plugin_data.plugin_name != 'scalars':
+          continue  # The hparams summary.
+        scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+  return scalars
+
+
+@pytest.fixture(scope='module')
+def trained_workdir(tmp_path_factory):
+  """A short run of the tiny model; shared by the tests that read what it wrote."""
+  workdir = str(tmp_path_factory.mktemp('run'))
+  metrics = train.train_and_evaluate(tiny_config(), workdir)
+  return workdir, metrics
+
+
+def test_short_run_learns(trained_workdir):
+  workdir, metrics = trained_workdir
+  losses = read_scalars(workdir)['train_loss']
+  assert losses[60] < losses[20] < np.log(10)  # Chance-level loss is log(10).
+  assert losses[60] < 0.7 * np.log(10)
+  assert metrics['test_accuracy'] > 0.4  # Chance is 0.1.
+
+
+def test_metrics_reach_tensorboard(trained_workdir):
+  workdir, _ = trained_workdir
+  scalars = read_scalars(workdir)
+  for tag in ('train_loss', 'learning_rate', 'grad_norm', 'images_per_second', 'mfu'):
+    assert sorted(scalars[tag]) == [20, 40, 60], tag
+  for tag in ('test_accuracy', 'test_loss'):
+    assert sorted(scalars[tag]) == [60], tag
+  assert 0 < scalars['mfu'][60] < 1
+  # Warmup over 5 steps, then cosine decay over 55: the rate of step 20 (logged after it).
+  np.testing.assert_allclose(scalars['learning_rate'][20],
+                             1e-2 * (1 + np.cos(np.pi * 14 / 55)) / 2, rtol=1e-5)
+
+
+def test_run_writes_checkpoints_and_published_npz(trained_workdir):
+  workdir, _ = trained_workdir
+  steps = sorted(os.listdir(os.path.join(workdir, 'checkpoints')))
+  assert steps == ['40', '60']  # keep_checkpoints = 2
+  params = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  assert params['head']['kernel'].shape == (32, 10)
+
+
+def test_resume_ends_with_the_same_params_as_an_uninterrupted_run(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  interrupted = str(tmp_path)
+  config = tiny_config(keep_checkpoints=5)
+  train.train_and_evaluate(config, interrupted)
+  # As if the run had died after its step-20 checkpoint: drop what came later.
+  for step in ('40', '60'):
+    subprocess.run(['rm', '-r', os.path.join(interrupted, 'checkpoints', step)], check=True)
+  os.remove(os.path.join(interrupted, 'model.npz'))
+  train.train_and_evaluate(config, interrupted)
+  resumed = checkpoint.load(os.path.join(interrupted, 'model.npz'))
+  uninterrupted = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted)
+
+
+def one_step_state(config, mesh):
+  model = train.build_model(config, num_classes=10)
+  optimizer = train.make_optimizer(config)
+  state, shardings = train.create_train_state(config, model, optimizer, mesh, config.pp.crop)
+  step = jax.jit(train.make_train_step(model, optimizer, config))
+  return state, step
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+  config = tiny_config(optimizer='sgd', base_lr=0.1, warmup_steps=0)
+  mesh = train.make_mesh(config)
+  batch = next(input_pipeline.get_train_iterator(config, mesh))
+  results = []
+  for accum_steps in (1, 2):
+    config.accum_steps = accum_steps
+    state, step = one_step_state(config, mesh)
+    state, metrics = step(state, batch)
+    results.append((state.params, metrics['train_loss']))
+  np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), results[0][0],
+               results[1][0])
+
+
+def test_one_and_eight_devices_give_the_same_loss_curve():
+  config = tiny_config()
+  curves = []
+  for devices in (jax.devices()[:1], jax.devices()):
+    mesh = train.make_mesh(config, devices)
+    state, step = one_step_state(config, mesh)
+    batches = input_pipeline.get_train_iterator(config, mesh)
+    losses = []
+    for _ in range(5):
+      state, metrics = step(state, next(batches))
+      losses.append(float(metrics['train_loss']))
+    curves.append(losses)
+  assert len(jax.devices()) == 8
+  np.testing.assert_allclose(curves[0], curves[1], rtol=1e-5)
+
+
+def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
+                       pretrained_path=os.path.join(workdir, 'model.npz'))
+  config.pp.crop = 56
+  metrics = train.train_and_evaluate(config, str(tmp_path))
+  params = checkpoint.load(os.path.join(tmp_path, 'model.npz'))
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 8 * 8 + 1, 32)
+  assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(batch=60), r'config.batch=60 is not divisible by 8 data-parallel devices x '
+                     r'config.accum_steps=1: make it a multiple of 8'),
+    (dict(batch=64, accum_steps=16), r'config.batch=64 is not divisible by 8 .* x '
+                                     r'config.accum_steps=16: make it a multiple of 128'),
+    (dict(pretrained_path='/nonexistent/ViT-B_16.npz'),
+     r"config.pretrained_path='/nonexistent/ViT-B_16.npz' does not exist"),
+    (dict(optimizer='adam'), r"config.optimizer='adam' is not one of \('sgd', 'adamw'\)"),
+])
+def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
+  with pytest.raises(train.ConfigError, match=message) as error:
+    train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+  assert '\n' not in str(error.value)
+
+
+def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
+  config = tiny_config()
+  config.pp.crop = 30
+  with pytest.raises(train.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
+                                              r'patch size 7x7 of tiny: use e.g. 28'):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_pretrained_file_of_another_architecture_is_a_config_error(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
+  config.model = model_configs.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
+  with pytest.raises(train.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
+                                              r'does not fit tiny: .*\(48,\).*\(32,\)'):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_main_reports_a_bad_config_in_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', f'--workdir={tmp_path}', '--config.batch=100',
+       '--config.batch_eval=100'],
+      capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
+      'config.accum_steps=1: make it a multiple of 8.')
+
+
+def test_unknown_model_in_the_config_lists_the_known_ones():
+  from configs import vit  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"Unknown model 'ViT-Z_1'. Known models: ViT-Ti_16"):
+    vit.get_config('ViT-Z_1,cifar10')
+  assert vit.get_config('b16,cifar10').model.hidden_size == 768

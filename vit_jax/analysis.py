@@ -1,0 +1,174 @@
+"""The numbers behind the figures of `python -m vit_jax.visualize` (paper Section 4.5, Figure 7).
+
+Shapes: L layers, B images, N heads, T tokens (the class token first, if the model has one),
+g_h x g_w = n the grid of patches, D hidden size, P patch size, C input channels.
+Attention stacks are (L, B, N, T, T): query rows, key columns, each row summing to 1.
+
+- `attention_rollout` and `token_to_patch_map`: where the class token (or, for `gap` models, the
+  mean of the tokens) draws its information from (Abnar & Zuidema, 2020).
+- `mean_attention_distance`: per layer and head, how far in pixels attention reaches.
+- `position_similarity`: cosine similarity between the learned position embeddings.
+- `embedding_filter_components`: principal components of the patch-embedding filters.
+- `read_scalars`: the scalars a training run logged to TensorBoard.
+"""
+import functools
+import os
+
+import jax
+import numpy as np
+
+from vit_jax import checkpoint
+from vit_jax import models_vit
+
+ATTENTION_MODULE = 'MultiHeadDotProductAttention_0'
+
+
+def has_class_token(classifier: str) -> bool:
+  """Whether a model with this classifier puts a class token before the patch tokens."""
+  return classifier in checkpoint.TOKEN_CLASSIFIERS
+
+
+def patch_pixels(model: models_vit.VisionTransformer) -> tuple[int, int]:
+  """Input pixels (height, width) covered by one patch: the patch size times the stem's stride."""
+  return model.patch_size[0] * model.stem_stride, model.patch_size[1] * model.stem_stride
+
+
+def patch_grid(model: models_vit.VisionTransformer, image_size: tuple[int, int]) -> tuple[int, int]:
+  """The (g_h, g_w) grid of patches the model cuts an image of (height, width) pixels into."""
+  (ph, pw), (h, w) = patch_pixels(model), image_size
+  return h // ph, w // pw
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sown_attention(model, params, images):
+  _, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
+  transformer = state['intermediates']['Transformer']
+  return [transformer[f'encoderblock_{i}'][ATTENTION_MODULE]['attention_weights'][0]
+          for i in range(model.num_layers)]
+
+
+def attention_weights(model: models_vit.VisionTransformer, params, images) -> np.ndarray:
+  """The attention of every layer on (B, H, W, 3) images in [-1, 1]: (L, B, N, T, T) float32."""
+  return np.stack([np.asarray(a, np.float32) for a in _sown_attention(model, params, images)])
+
+
+def attention_rollout(attention: np.ndarray) -> np.ndarray:
+  """Attention rollout: (L, B, N, T, T) -> (B, T, T), how much each token draws on each input.
+
+  Each layer's attention is averaged over heads, the identity is added for the residual
+  connection, rows are renormalised to sum 1, and the layers are multiplied from the first on.
+  """
+  mixing = attention.mean(axis=2) + np.eye(attention.shape[-1], dtype=attention.dtype)
+  mixing /= mixing.sum(axis=-1, keepdims=True)
+  rollout = mixing[0]
+  for layer in mixing[1:]:
+    rollout = layer @ rollout
+  return rollout
+
+
+def token_to_patch_map(matrix: np.ndarray, grid: tuple[int, int], class_token: bool) -> np.ndarray:
+  """The weights of the patches, as a (..., g_h, g_w) map, in a (..., T, T) token matrix.
+
+  Read from the class token's row when there is one, else from the mean of all rows (the pooled
+  representation of a `gap` model). The class token's own column is dropped, so a map of a
+  model with a class token sums to at most 1.
+  """
+  if class_token:
+    weights = matrix[..., 0, 1:]
+  else:
+    weights = matrix.mean(axis=-2)
+  if weights.shape[-1] != grid[0] * grid[1]:
+    raise ValueError(f'{weights.shape[-1]} patch tokens do not fill a {grid[0]}x{grid[1]} grid '
+                     f'(class_token={class_token}).')
+  return weights.reshape(weights.shape[:-1] + tuple(grid))
+
+
+def patch_distances(grid: tuple[int, int], pixels: tuple[int, int]) -> np.ndarray:
+  """(n, n) Euclidean distances in pixels between the centres of the patches, row-major."""
+  rows, cols = np.meshgrid(np.arange(grid[0]), np.arange(grid[1]), indexing='ij')
+  centres = np.stack([rows.ravel() * pixels[0], cols.ravel() * pixels[1]], axis=-1)
+  return np.linalg.norm(centres[:, None] - centres[None], axis=-1)
+
+
+def mean_attention_distance(attention: np.ndarray, grid: tuple[int, int],
+                            pixels: tuple[int, int], class_token: bool) -> np.ndarray:
+  """Attention-weighted mean query-key distance in pixels: (L, B, N, T, T) -> (L, N).
+
+  `pixels` is the size of a patch in input pixels (`patch_pixels`). Only patch tokens count: the
+  class token's row and column are dropped and each query's weights renormalised over the patch
+  keys. The distance is averaged over the queries and the B images.
+  """
+  if class_token:
+    attention = attention[..., 1:, 1:]
+  attention = attention / attention.sum(axis=-1, keepdims=True)
+  distances = patch_distances(grid, pixels)
+  if attention.shape[-1] != len(distances):
+    raise ValueError(f'{attention.shape[-1]} patch tokens do not fill a {grid[0]}x{grid[1]} '
+                     f'grid (class_token={class_token}).')
+  per_query = np.einsum('lbnqk,qk->lbnq', attention, distances)
+  return per_query.mean(axis=(1, 3))
+
+
+def position_similarity(pos_embedding: np.ndarray, grid: tuple[int, int],
+                        class_token: bool) -> np.ndarray:
+  """Cosine similarity of each patch's position embedding with every other one.
+
+  `pos_embedding` is (1, T, D) as in the parameter tree. Returns (g_h, g_w, g_h, g_w): entry
+  [i, j] is the (g_h, g_w) map of similarities of position (i, j) with all positions.
+  """
+  posemb = np.asarray(pos_embedding, np.float64).reshape(-1, pos_embedding.shape[-1])
+  if class_token:
+    posemb = posemb[1:]
+  if len(posemb) != grid[0] * grid[1]:
+    raise ValueError(f'{len(posemb)} patch position embeddings do not fill a '
+                     f'{grid[0]}x{grid[1]} grid (class_token={class_token}).')
+  unit = posemb / np.linalg.norm(posemb, axis=-1, keepdims=True)
+  return (unit @ unit.T).reshape(tuple(grid) * 2)
+
+
+def embedding_filter_components(kernel: np.ndarray, num_components: int = 28):
+  """Principal components of the D patch-embedding filters of a (P, P, C, D) kernel.
+
+  Returns the components, (K, P, P, C) unit vectors ordered by decreasing variance, and the
+  fraction of the filters' variance each explains, (K,); K = min(num_components, D - 1, P*P*C),
+  as the D centred filters span at most D - 1 dimensions.
+  Each component's sign is arbitrary.
+  """
+  kernel = np.asarray(kernel, np.float64)
+  filters = kernel.reshape(-1, kernel.shape[-1]).T  # (D, P*P*C)
+  centred = filters - filters.mean(axis=0)
+  _, singular_values, components = np.linalg.svd(centred, full_matrices=False)
+  variance = singular_values**2
+  k = min(num_components, len(filters) - 1, len(variance))
+  return (components[:k].reshape((k,) + kernel.shape[:-1]),
+          variance[:k] / variance.sum())
+
+
+def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """The scalars logged in `workdir`'s TensorBoard event files: {tag: (steps, values)}.
+
+  Reads both tensor summaries (as `clu.metric_writers` writes them) and legacy scalar
+  summaries. Steps are sorted; a step logged twice (a resumed run) keeps its last value.
+  Imports TensorFlow (about 7 s), which TensorBoard uses to read the files.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.util import tensor_util
+  # pylint: enable=g-import-not-at-top
+
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f'No training workdir at {workdir!r}.')
+  events = event_accumulator.EventAccumulator(workdir, size_guidance={'tensors': 0, 'scalars': 0})
+  events.Reload()
+  tags = events.Tags()
+  scalar_tensors = [tag for tag in tags['tensors']
+                    if events.SummaryMetadata(tag).plugin_data.plugin_name == 'scalars']
+  logged = {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+                  for e in events.Tensors(tag)] for tag in scalar_tensors}
+  logged.update({tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags['scalars']})
+  curves = {}
+  for tag, points in logged.items():
+    by_step = dict(points)
+    steps = np.array(sorted(by_step))
+    curves[tag] = steps, np.array([by_step[s] for s in steps], np.float64)
+  return curves

@@ -1,0 +1,282 @@
+"""ViT parameters in the layout of the published .npz checkpoints, and fine-tuning setup.
+
+The published files (ViT-B_16.npz and friends, the AugReg files) are `numpy.savez` archives
+whose keys are parameter paths joined by '/', e.g. `Transformer/encoderblock_0/LayerNorm_0/scale`.
+Inside each encoder block, older files number the modules pre-linen style (`LayerNorm_0`,
+`MultiHeadDotProductAttention_1`, `LayerNorm_2`, `MlpBlock_3`), newer ones linen style
+(`LayerNorm_0`, `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`), and older hybrid
+files store GroupNorm scale and bias as (1, 1, 1, C) instead of (C,). `load` reads all of them
+into the model's tree; `save` writes the pre-linen numbering that tools reading the published
+files look for.
+
+Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
+Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
+line naming the file, or the parameter path with both shapes.
+"""
+import io
+import json
+import math
+import os
+import zipfile
+import zlib
+from typing import Any, Optional
+
+import numpy as np
+import scipy.ndimage
+from flax import traverse_util
+
+Params = dict[str, Any]
+
+POSEMB_PATH = ('Transformer', 'posembed_input', 'pos_embedding')
+# Spline orders of scipy.ndimage.zoom.
+POSEMB_METHODS = {'bilinear': 1, 'bicubic': 3}
+TOKEN_CLASSIFIERS = ('token', 'token_unpooled')
+_PRE_LINEN_TO_LINEN = {
+    'MultiHeadDotProductAttention_1': 'MultiHeadDotProductAttention_0',
+    'LayerNorm_2': 'LayerNorm_1',
+    'MlpBlock_3': 'MlpBlock_0',
+}
+_LINEN_TO_PRE_LINEN = {linen: old for old, linen in _PRE_LINEN_TO_LINEN.items()}
+_MAX_LISTED = 6
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read or does not fit the model; the message says which and why."""
+
+
+def _is_url(path: str) -> bool:
+  return '://' in path
+
+
+def _open(path: str, mode: str):
+  """A binary file object: local paths with `open`, URLs (gs://...) with TensorFlow's gfile."""
+  if not _is_url(path):
+    if 'r' in mode and not os.path.isfile(path):
+      raise FileNotFoundError(f'No such checkpoint file: {path}')
+    return open(path, mode)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (seconds to import)
+  try:
+    if 'r' in mode and not tf.io.gfile.exists(path):
+      raise FileNotFoundError(f'No such checkpoint file: {path}')
+    return tf.io.gfile.GFile(path, mode)
+  except tf.errors.OpError as e:
+    raise CheckpointError(f'Cannot open {path}: {e.message}') from None
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+  """All arrays of the archive at `path`, by key."""
+  with _open(path, 'rb') as f:
+    if f.read(2) != b'PK':  # What every zip archive, hence every .npz, starts with.
+      raise CheckpointError(f'{path} is not an .npz checkpoint archive (not a zip file).')
+    f.seek(0)
+    try:
+      with np.load(f, allow_pickle=False) as archive:
+        arrays = {key: archive[key] for key in archive.files}
+    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+      raise CheckpointError(
+          f'{path} is a damaged .npz checkpoint archive ({type(e).__name__}: {e}).') from None
+  if not arrays:
+    raise CheckpointError(f'{path} is an empty archive: it holds no parameters.')
+  return arrays
+
+
+def _rename_block_modules(path: tuple[str, ...], names: dict[str, str]) -> tuple[str, ...]:
+  """Renames, by `names`, the module right below each `encoderblock_{i}` of a parameter path."""
+  return tuple(names.get(name, name) if i and path[i - 1].startswith('encoderblock_') else name
+               for i, name in enumerate(path))
+
+
+def _squeeze_group_norm(path: tuple[str, ...], value: np.ndarray) -> np.ndarray:
+  """GroupNorm scale/bias of older hybrid files, (1, 1, 1, C) -> (C,); other values as they are."""
+  is_group_norm = len(path) > 1 and path[-2].startswith('gn')
+  if is_group_norm and value.ndim > 1 and all(d == 1 for d in value.shape[:-1]):
+    return value.reshape(-1)
+  return value
+
+
+def load(path) -> Params:
+  """Reads a published-layout .npz checkpoint into the model's parameter tree.
+
+  Accepts pre-linen and linen module numbering and (1, 1, 1, C) or (C,) GroupNorm parameters.
+  Returns a nested dict of numpy arrays (linen names, GroupNorm (C,)).
+  """
+  path = os.fspath(path)
+  flat = {}
+  for key, value in _read_npz(path).items():
+    tree_path = _rename_block_modules(tuple(key.split('/')), _PRE_LINEN_TO_LINEN)
+    flat[tree_path] = _squeeze_group_norm(tree_path, value)
+  return traverse_util.unflatten_dict(flat)
+
+
+def save(params: Params, path, *, linen_names: bool = False) -> None:
+  """Writes `params` (numpy or jax arrays) as a published-layout .npz archive at `path`.
+
+  Encoder blocks get the pre-linen numbering of the published files
+  (`MultiHeadDotProductAttention_1`, `LayerNorm_2`, `MlpBlock_3`), or with `linen_names=True`
+  the model's own. Local files are written to a temporary file first and then renamed, so a
+  crash never leaves half a file.
+  """
+  path = os.fspath(path)
+  names = {} if linen_names else _LINEN_TO_PRE_LINEN
+  arrays = {'/'.join(_rename_block_modules(p, names)): np.asarray(v)
+            for p, v in traverse_util.flatten_dict(params).items()}
+  if _is_url(path):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with _open(path, 'wb') as f:
+      f.write(buffer.getvalue())
+    return
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path + '.tmp', 'wb') as f:
+    np.savez(f, **arrays)
+  os.replace(path + '.tmp', path)
+
+
+def model_overrides_path(path: str) -> str:
+  """Where the model overrides of checkpoint `path` are: FILE.npz -> FILE.overrides.json."""
+  return os.path.splitext(path)[0] + '.overrides.json'
+
+
+def save_model_overrides(overrides: dict[str, Any], path, *, note: str = '') -> None:
+  """Records, next to checkpoint `path` (at `model_overrides_path(path)`), the VisionTransformer
+  fields the weights need, e.g. {'approximate_gelu': False} for weights trained with exact GELU."""
+  text = json.dumps({'model_overrides': overrides, 'note': note}, indent=2)
+  with _open(model_overrides_path(os.fspath(path)), 'wb') as f:
+    f.write(text.encode())
+
+
+def load_model_overrides(path) -> dict[str, Any]:
+  """The VisionTransformer fields recorded next to checkpoint `path` by `save_model_overrides`;
+  {} when there is no such record (the published checkpoints have none)."""
+  try:
+    with _open(model_overrides_path(os.fspath(path)), 'rb') as f:
+      return json.loads(f.read())['model_overrides']
+  except FileNotFoundError:
+    return {}
+  except (ValueError, KeyError) as e:
+    raise CheckpointError(f'{model_overrides_path(os.fspath(path))} is not a model-overrides '
+                          f'record ({e}); delete it or rewrite it with save_model_overrides.'
+                          ) from None
+
+
+def square_grid(num_tokens: int, what: str) -> tuple[int, int]:
+  """(n, n) for num_tokens = n*n; a CheckpointError naming `what` otherwise."""
+  side = math.isqrt(num_tokens)
+  if side * side != num_tokens:
+    raise CheckpointError(f'{what}: {num_tokens} grid positions are not a square grid; '
+                          'give the grid (rows, columns) explicitly.')
+  return side, side
+
+
+def resize_posemb(posemb, grid_hw: tuple[int, int], *, has_class_token: bool,
+                  method: str = 'bilinear',
+                  source_grid_hw: Optional[tuple[int, int]] = None) -> np.ndarray:
+  """Resizes position embeddings (1, [1 +] h*w, D) to a grid of `grid_hw` = (rows, columns).
+
+  The class-token row (the first, when `has_class_token`) is kept as it is. The grid of the
+  other rows, (h, w) = `source_grid_hw` (default: square), is interpolated in 2-D with
+  corners aligned, as scipy.ndimage.zoom does: the four corner embeddings are kept exactly.
+  `method` is 'bilinear' (as the published fine-tuning code) or 'bicubic' (cubic spline).
+  Returns a numpy array (1, [1 +] rows*columns, D) of posemb's dtype.
+  """
+  posemb = np.asarray(posemb)
+  if method not in POSEMB_METHODS:
+    raise CheckpointError(f'posemb_method={method!r}; choose one of {list(POSEMB_METHODS)}.')
+  if posemb.ndim != 3 or posemb.shape[0] != 1:
+    raise CheckpointError(
+        f'Position embeddings must have shape (1, tokens, D), not {posemb.shape}.')
+  num_extra = 1 if has_class_token else 0
+  extra, grid = posemb[:, :num_extra], posemb[0, num_extra:]
+  source_hw = source_grid_hw or square_grid(len(grid), 'The position embeddings to resize')
+  if math.prod(source_hw) != len(grid):
+    raise CheckpointError(f'source_grid_hw={tuple(source_hw)} does not hold the {len(grid)} '
+                          'grid rows of the position embeddings.')
+  grid = grid.reshape(*source_hw, -1)
+  if tuple(source_hw) != tuple(grid_hw):
+    zoom = (grid_hw[0] / source_hw[0], grid_hw[1] / source_hw[1], 1)
+    grid = scipy.ndimage.zoom(grid.astype(np.float64), zoom, order=POSEMB_METHODS[method])
+  grid = grid.reshape(1, grid_hw[0] * grid_hw[1], -1).astype(posemb.dtype)
+  return np.concatenate([extra, grid], axis=1)
+
+
+def _shape_mismatches(params: dict, reference: dict) -> list[str]:
+  """One phrase per differently shaped, missing or unexpected leaf of two flat trees."""
+  name = '/'.join
+  problems = [f'{name(p)} is {tuple(np.shape(params[p]))} in the file but '
+              f'{tuple(reference[p].shape)} in the model'
+              for p in reference if p in params
+              and tuple(np.shape(params[p])) != tuple(reference[p].shape)]
+  problems += [f'missing {name(p)} {tuple(reference[p].shape)}'
+               for p in reference if p not in params]
+  problems += [f'unexpected {name(p)} {tuple(np.shape(params[p]))}'
+               for p in params if p not in reference]
+  return problems
+
+
+def _check_flat(params: dict, reference: dict, source: str) -> None:
+  problems = _shape_mismatches(params, reference)
+  if problems:
+    listed = '; '.join(problems[:_MAX_LISTED])
+    more = f'; and {len(problems) - _MAX_LISTED} more' if len(problems) > _MAX_LISTED else ''
+    raise CheckpointError(
+        f'{source} does not fit the model: {listed}{more}. Check that the model (name, '
+        'classifier, representation_size, hybrid stem, image size) is the one of the checkpoint.')
+
+
+def check_matches(params: Params, reference: Params, *, source: str) -> None:
+  """Raises a CheckpointError unless `params` has the paths and shapes of `reference`.
+
+  `reference` may hold arrays or jax.ShapeDtypeStructs (e.g. vit_jax.models.param_shapes).
+  The message names `source` and every mismatching path with its shapes.
+  """
+  _check_flat(traverse_util.flatten_dict(params), traverse_util.flatten_dict(reference), source)
+
+
+def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_token: bool,
+                grid: Optional[tuple[int, int]], method: str) -> np.ndarray:
+  """`posemb` resized to the target's number of tokens, or as it is when no resize applies."""
+  num_extra = 1 if has_class_token else 0
+  if grid is None:
+    if posemb.shape == tuple(target_shape):
+      return posemb
+    grid = square_grid(target_shape[1] - num_extra, "The model's position embeddings")
+  if math.prod(grid) + num_extra != target_shape[1]:
+    raise CheckpointError(f'grid={tuple(grid)} gives {math.prod(grid) + num_extra} position '
+                          f'embeddings, but the model has {target_shape[1]}.')
+  if posemb.ndim != 3 or posemb.shape[-1] != target_shape[-1]:
+    return posemb  # Reported with both shapes by check_matches.
+  return resize_posemb(posemb, grid, has_class_token=has_class_token, method=method)
+
+
+def load_pretrained(path, init_params: Params, model_config, *,
+                    posemb_method: str = 'bilinear',
+                    grid: Optional[tuple[int, int]] = None) -> Params:
+  """The checkpoint at `path`, set up to fine-tune the model freshly initialised as `init_params`.
+
+  - `pre_logits` is dropped when `model_config.representation_size` is None;
+  - `head` is replaced by the freshly initialised one of `init_params` (new classes);
+  - the position embeddings are resized with `resize_posemb` (class-token row kept when
+    `model_config.classifier` has one) to `grid` = (rows, columns) of patches, by default the
+    square grid of init_params's position embeddings. Pass `grid` for non-square images,
+    e.g. (384 // 16, 512 // 16).
+  Anything else must match `init_params` path by path and shape by shape, or a CheckpointError
+  lists what differs. Returns a nested dict of numpy arrays with exactly init_params's
+  structure, shapes and dtypes.
+  """
+  source = os.fspath(path)
+  restored = traverse_util.flatten_dict(load(source))
+  target = traverse_util.flatten_dict(init_params)
+  if model_config.get('representation_size') is None:
+    restored = {p: v for p, v in restored.items() if p[0] != 'pre_logits'}
+  restored = {p: v for p, v in restored.items() if p[0] != 'head'}
+  restored.update({p: v for p, v in target.items() if p[0] == 'head'})
+  has_class_token = model_config.classifier in TOKEN_CLASSIFIERS
+  # Resized only when the file and the model agree on the class token; else _check_flat says.
+  same_tokens = (('cls',) in restored) == has_class_token
+  if POSEMB_PATH in restored and POSEMB_PATH in target and same_tokens:
+    restored[POSEMB_PATH] = _fit_posemb(restored[POSEMB_PATH], target[POSEMB_PATH].shape,
+                                        has_class_token=has_class_token, grid=grid,
+                                        method=posemb_method)
+  _check_flat(restored, target, source)
+  return traverse_util.unflatten_dict(
+      {p: np.asarray(restored[p], dtype=target[p].dtype) for p in target})

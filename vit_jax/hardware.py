@@ -1,0 +1,66 @@
+"""Peak FLOP/s of the devices, for model FLOPs utilisation (MFU).
+
+Accelerators use their published dense peak for the compute dtype; CPUs (and devices not in the
+table) use a peak measured in this process: the best rate of a large jitted matmul.
+"""
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Published dense peaks per chip in FLOP/s: (bfloat16, float32). float32 on NVIDIA tensor cores
+# runs as TF32 under JAX's default matmul precision.
+PUBLISHED_PEAKS = {
+    'TPU v2': (45e12, 45e12 / 4),
+    'TPU v3': (123e12, 123e12 / 4),
+    'TPU v4': (275e12, 275e12 / 4),
+    'TPU v5 lite': (197e12, 197e12 / 4),
+    'TPU v5e': (197e12, 197e12 / 4),
+    'TPU v5p': (459e12, 459e12 / 4),
+    'TPU v6 lite': (918e12, 918e12 / 4),
+    'TPU v6e': (918e12, 918e12 / 4),
+    'NVIDIA H200': (989e12, 494e12),
+    'NVIDIA H100': (989e12, 494e12),
+    'NVIDIA A100': (312e12, 156e12),
+    'NVIDIA L4': (121e12, 60e12),
+    'NVIDIA A10': (125e12, 62.5e12),
+    'Tesla V100': (125e12, 15.7e12),
+}
+
+
+def published_peak_flops(device_kind: str, dtype) -> float | None:
+  """Published dense FLOP/s of one chip whose `device_kind` starts with a known name, else None."""
+  for name, (bf16, f32) in PUBLISHED_PEAKS.items():
+    if device_kind.startswith(name):
+      return bf16 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else f32
+  return None
+
+
+def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5,
+                         device=None) -> float:
+  """Best FLOP/s of a (size x size) @ (size x size) matmul on one device, compile excluded."""
+  device = device or jax.local_devices()[0]
+  a = jax.device_put(jnp.ones((size, size), dtype), device)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best
+
+
+@functools.cache
+def local_peak_flops(dtype=jnp.float32) -> tuple[float, str]:
+  """(FLOP/s of all of this process's devices, 'published' or 'measured') for a compute dtype.
+
+  Simulated CPU devices share the host's cores, so a CPU host counts once, at its measured rate.
+  """
+  devices = jax.local_devices()
+  published = published_peak_flops(devices[0].device_kind, dtype)
+  if published is not None:
+    return published * len(devices), 'published'
+  count = 1 if devices[0].platform == 'cpu' else len(devices)
+  return measure_matmul_flops(jnp.dtype(dtype), device=devices[0]) * count, 'measured'

@@ -1,0 +1,334 @@
+"""Input pipeline: preprocessed, sharded, resumable batches of images.
+
+Sources (`config.dataset`, see `input_pipeline_sources.py`): `'fashion_mnist_embedded'` (ships with
+the package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,jpeg,png}`, or a tfds name.
+
+Order. Each process reads its contiguous share of the split and walks through it epoch after epoch,
+each epoch in an order drawn from `(config.seed, process, epoch)`; the random augmentation of the
+example at position `q` of a process's stream is drawn from `(config.seed, process, q)`. The batch
+at step `n` is therefore a function of the seed and `n`: `get_train_iterator(..., start_step=n)`
+skips `n * local_batch` undecoded records and yields exactly what an uninterrupted run yields from
+step `n` on. Image folders and the embedded data are permuted exactly; tfds shares are shuffled
+with a buffer of `config.shuffle_buffer` records, and a restore reads (without decoding) at most one
+epoch of the share.
+
+Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-style random crop
+(5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
+(`pp.flip`); evaluation resizes to `pp.crop`, or resizes the short side to `pp.resize` and takes
+the central `pp.crop` square. Images are float32 in [-1, 1], labels int32 class indices (the loss
+takes them as they are, or one-hot via `jax.nn.one_hot(label, num_classes)`).
+"""
+import collections
+import dataclasses
+import math
+from typing import Any, Iterator
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import tensorflow as tf
+
+from vit_jax import input_pipeline_sources as sources
+
+EMBEDDED_DATASET = sources.EMBEDDED_DATASET
+INCEPTION_AREA_RANGE = (0.05, 1.0)
+INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
+_ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
+_FOREVER = 2**62  # Number of training epochs.
+# The config fields the training order depends on: a resumed run must use the same values.
+_ORDER_FIELDS = ('dataset', 'train_split', 'seed', 'batch')
+
+Batch = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """What the model and the training loop need to know about `config.dataset`.
+
+  Attributes:
+    num_classes: number of classes.
+    label_names: name of each class, indexed by label.
+    num_train: number of examples in `config.train_split`.
+    num_test: number of examples in `config.test_split`.
+  """
+  num_classes: int
+  label_names: list[str]
+  num_train: int
+  num_test: int
+
+
+def get_dataset_info(config) -> DatasetInfo:
+  """Class count, class names and split sizes of `config.dataset`."""
+  source = sources.get_source(config)
+  return DatasetInfo(len(source.label_names), source.label_names,
+                     source.num_examples(config.train_split),
+                     source.num_examples(config.test_split))
+
+
+# Preprocessing.
+
+
+def to_unit_range(image: tf.Tensor) -> tf.Tensor:
+  """Pixel values in [0, 255] -> float32 in [-1, 1]."""
+  return tf.cast(image, tf.float32) / 127.5 - 1
+
+
+def resize(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3) -> float32 (size, size, 3), bilinear."""
+  return tf.image.resize(image, [size, size], method='bilinear')
+
+
+def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3) -> float32 (h', w', 3) with min(h', w') = size, keeping the aspect."""
+  shape = tf.cast(tf.shape(image)[:2], tf.float32)
+  new_shape = tf.maximum(tf.cast(tf.round(shape * size / tf.reduce_min(shape)), tf.int32), size)
+  return tf.image.resize(image, new_shape, method='bilinear')
+
+
+def central_crop(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3), both >= size -> (size, size, 3) from the centre."""
+  return tf.image.resize_with_crop_or_pad(image, size, size)
+
+
+def inception_crop(image: tf.Tensor, key: tf.Tensor) -> tf.Tensor:
+  """A random crop of 5%-100% of the area with aspect ratio in [3/4, 4/3] (Szegedy et al. 2015).
+
+  Args:
+    image: (height, width, channels).
+    key: int64 (2,) stateless random key.
+  Returns:
+    (crop_height, crop_width, channels), same dtype.
+  """
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=key, min_object_covered=0,
+      area_range=INCEPTION_AREA_RANGE, aspect_ratio_range=INCEPTION_ASPECT_RANGE,
+      use_image_if_no_bounding_boxes=True)
+  return tf.slice(image, begin, size)
+
+
+def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
+  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`."""
+  crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+  if pp.get('inception_crop', True):
+    image = inception_crop(image, crop_key)
+  image = resize(image, pp.crop)
+  if pp.get('flip', True):
+    image = tf.image.stateless_random_flip_left_right(image, flip_key)
+  return to_unit_range(image)
+
+
+def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
+  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1]."""
+  if pp.get('resize'):
+    image = central_crop(resize_short_side(image, pp.resize), pp.crop)
+  else:
+    image = resize(image, pp.crop)
+  return to_unit_range(tf.ensure_shape(image, [pp.crop, pp.crop, 3]))
+
+
+def _check_pp(pp):
+  if pp.get('resize') and pp.resize < pp.crop:
+    raise ValueError(f'config.pp.resize={pp.resize} is smaller than config.pp.crop={pp.crop}: '
+                     'the central crop must fit; set pp.resize >= pp.crop, or None to resize '
+                     'straight to pp.crop.')
+
+
+# Order.
+
+
+def random_key(seed: int, process_index: int, purpose: int, n: tf.Tensor) -> tf.Tensor:
+  """The stateless random key (int64 (2,)) for epoch or position `n` of a process's stream."""
+  key = tf.constant([seed, process_index], tf.int64)
+  key = tf.random.experimental.stateless_fold_in(key, purpose)
+  return tf.random.experimental.stateless_fold_in(key, n)
+
+
+def local_batch_size(config, field: str, process_count: int) -> int:
+  """`config.<field>` (a global batch size) divided among `process_count` processes."""
+  global_batch = config[field]
+  if global_batch % process_count:
+    raise ValueError(f'config.{field}={global_batch} is not divisible by the number of '
+                     f'processes ({process_count}): make it a multiple of {process_count}.')
+  return global_batch // process_count
+
+
+def _shard(source, split: str, process_index: int, process_count: int) -> sources.Shard:
+  shard = source.shard(split, process_index, process_count)
+  if not shard.num_examples:
+    raise ValueError(f'Split {split!r} of {source.name!r} leaves no examples to process '
+                     f'{process_index} of {process_count}: use a larger split.')
+  return shard
+
+
+def train_dataset(config, *, process_index: int, process_count: int,
+                  start_step: int = 0) -> tf.data.Dataset:
+  """This process's training batches from step `start_step` on, as an endless tf.data pipeline.
+
+  Returns:
+    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,)}` with
+    b = config.batch // process_count.
+  """
+  _check_pp(config.pp)
+  batch = local_batch_size(config, 'batch', process_count)
+  shard = _shard(sources.get_source(config), config.train_split, process_index, process_count)
+  first_epoch, offset = divmod(start_step * batch, shard.num_examples)
+
+  def epoch(n):
+    return shard.epoch(random_key(config.seed, process_index, _ORDER, n))
+
+  def preprocess(position, record):
+    key = random_key(config.seed, process_index, _AUGMENT, position)
+    image = preprocess_train(shard.decode(record['image']), key, config.pp)
+    return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
+
+  records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch).skip(offset)
+  examples = records.enumerate(start=start_step * batch).map(
+      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  return examples.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.Dataset:
+  """This process's share of `config.test_split`, once, padded to a count shared by all processes.
+
+  Returns:
+    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,),
+    'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask` is 1 for real
+    examples and 0 for padding. Every process yields ceil(largest share / b) batches.
+  """
+  _check_pp(config.pp)
+  batch = local_batch_size(config, 'batch_eval', process_count)
+  source = sources.get_source(config)
+  shard = _shard(source, config.test_split, process_index, process_count)
+  num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
+
+  def preprocess(record):
+    return {'image': preprocess_eval(shard.decode(record['image']), config.pp),
+            'label': tf.cast(record['label'], tf.int32), 'mask': tf.constant(1.0)}
+
+  padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
+             'label': tf.constant(0), 'mask': tf.constant(0.0)}
+  examples = shard.epoch(None).map(
+      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  examples = examples.concatenate(tf.data.Dataset.from_tensors(padding).repeat(
+      num_batches * batch - shard.num_examples))
+  return examples.batch(batch).prefetch(tf.data.AUTOTUNE)
+
+
+def _numpy_batches(dataset: tf.data.Dataset, config, split: str) -> Iterator[Batch]:
+  """Iterates `dataset` as numpy; an image that fails to decode is reported by the source."""
+  batches = dataset.as_numpy_iterator()
+  while True:
+    try:
+      batch = next(batches)
+    except StopIteration:
+      return
+    except tf.errors.OpError as e:
+      raise sources.get_source(config).decode_error(split, e) from None
+    yield batch
+
+
+def train_batches(config, *, process_index: int = 0, process_count: int = 1,
+                  start_step: int = 0) -> Iterator[Batch]:
+  """`train_dataset` as numpy batches: this process's share of each global batch."""
+  dataset = train_dataset(config, process_index=process_index, process_count=process_count,
+                          start_step=start_step)
+  return _numpy_batches(dataset, config, config.train_split)
+
+
+def eval_batches(config, *, process_index: int = 0, process_count: int = 1) -> Iterator[Batch]:
+  """`eval_dataset` as numpy batches: this process's share of each global batch."""
+  dataset = eval_dataset(config, process_index=process_index, process_count=process_count)
+  return _numpy_batches(dataset, config, config.test_split)
+
+
+# Devices.
+
+
+def _data_sharding(mesh: jax.sharding.Mesh, global_batch: int, field: str) -> NamedSharding:
+  """Sharding of a batch along the mesh's `data` axis, checking that the batch divides."""
+  if 'data' not in mesh.shape:
+    raise ValueError(f"The mesh has axes {tuple(mesh.shape)}; the input pipeline shards batches "
+                     "along an axis named 'data'.")
+  if global_batch % mesh.shape['data']:
+    raise ValueError(f'config.{field}={global_batch} is not divisible by the {mesh.shape["data"]} '
+                     f"devices of the mesh's 'data' axis: make it a multiple of "
+                     f'{mesh.shape["data"]}.')
+  return NamedSharding(mesh, P('data'))
+
+
+def _to_global(batch: Batch, sharding: NamedSharding, process_count: int) -> Batch:
+  """This process's numpy share -> global jax.Arrays, (local_batch, ...) -> (global_batch, ...)."""
+  return {
+      name: jax.make_array_from_process_local_data(
+          sharding, value, (value.shape[0] * process_count,) + value.shape[1:])
+      for name, value in batch.items()}
+
+
+def prefetch_to_mesh(batches: Iterator[Batch], sharding: NamedSharding,
+                     size: int) -> Iterator[Batch]:
+  """Turns local numpy batches into global arrays, keeping `size` batches in flight to devices."""
+  queue = collections.deque()
+  for batch in batches:
+    queue.append(_to_global(batch, sharding, jax.process_count()))
+    if len(queue) > size:
+      yield queue.popleft()
+  yield from queue
+
+
+class TrainIterator:
+  """Global training batches; `get_state()` is what `restore_train_iterator` resumes from.
+
+  Yields `{'image': float32 (batch, crop, crop, 3), 'label': int32 (batch,)}` jax.Arrays sharded
+  along the mesh's `data` axis, batch = config.batch.
+  """
+
+  def __init__(self, config, mesh: jax.sharding.Mesh, start_step: int):
+    sharding = _data_sharding(mesh, config.batch, 'batch')
+    local_batches = train_batches(config, process_index=jax.process_index(),
+                                  process_count=jax.process_count(), start_step=start_step)
+    self._batches = prefetch_to_mesh(local_batches, sharding, config.get('prefetch', 2))
+    self._order = {field: config[field] for field in _ORDER_FIELDS}
+    self._order['process_count'] = jax.process_count()
+    self._step = start_step
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Batch:
+    batch = next(self._batches)
+    self._step += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable: the next step and the settings the order depends on."""
+    return {'step': self._step, **self._order}
+
+
+def get_train_iterator(config, mesh: jax.sharding.Mesh, *, start_step: int = 0) -> TrainIterator:
+  """Endless global training batches from step `start_step` on (see the module docstring)."""
+  return TrainIterator(config, mesh, start_step)
+
+
+def restore_train_iterator(config, mesh: jax.sharding.Mesh,
+                           state: dict[str, Any]) -> TrainIterator:
+  """Continues from `TrainIterator.get_state()`, after checking that the order is unchanged."""
+  current = {field: config[field] for field in _ORDER_FIELDS}
+  current['process_count'] = jax.process_count()
+  changed = [f'{field}: saved {state.get(field)!r}, now {value!r}'
+             for field, value in current.items() if state.get(field) != value]
+  if changed:
+    raise ValueError(
+        f'Cannot resume the training data order: {"; ".join(changed)}. Restore the saved config '
+        "values, or call get_train_iterator(config, mesh, start_step=state['step']) to continue "
+        'with a different order on purpose.')
+  return TrainIterator(config, mesh, state['step'])
+
+
+def get_eval_iterator(config, mesh: jax.sharding.Mesh) -> Iterator[Batch]:
+  """One pass over `config.test_split`: global batches `{'image', 'label', 'mask'}`.
+
+  Every example appears exactly once with mask 1; the last batches are padded with mask 0.
+  """
+  sharding = _data_sharding(mesh, config.batch_eval, 'batch_eval')
+  local_batches = eval_batches(config, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  return prefetch_to_mesh(local_batches, sharding, config.get('prefetch', 2))

@@ -1,0 +1,332 @@
+"""Where images come from: the embedded dataset, image folders and tfds datasets.
+
+Every source turns a split string (`'train'`, `'train[:98%]'`, `'test'`) into `Shard`s: one
+process's share of the split as a tf.data pipeline of undecoded records, plus the function that
+decodes a record's image. Records are cheap to produce and to skip (an array index, a file path, or
+the encoded bytes of a tfds example), so that a resumed run skips to its step before decoding.
+`input_pipeline.py` turns shards into preprocessed batches.
+"""
+import dataclasses
+import functools
+import os
+import re
+import types
+from typing import Callable, Iterator, Optional
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+EMBEDDED_DATASET = 'fashion_mnist_embedded'
+EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'data', 'fashion_mnist_embedded.npz')
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png')
+_FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """One process's share of a split.
+
+  Attributes:
+    num_examples: number of examples in the share.
+    epoch: `key -> tf.data.Dataset` of one pass over the share as records
+      `{'image': undecoded image, 'label': int64 ()}`; shuffled by the stateless key (int64 (2,))
+      or, for `key=None`, in the stored order.
+    decode: undecoded image -> uint8 (height, width, 3).
+  """
+  num_examples: int
+  epoch: Callable[[Optional[tf.Tensor]], tf.data.Dataset]
+  decode: Callable[[tf.Tensor], tf.Tensor]
+
+
+def shard_bounds(num_examples: int, process_index: int, process_count: int) -> tuple[int, int]:
+  """[start, end) of the contiguous share of process `process_index` of `process_count`."""
+  return (num_examples * process_index // process_count,
+          num_examples * (process_index + 1) // process_count)
+
+
+def short_message(error: tf.errors.OpError) -> str:
+  """The first line of a TensorFlow error message, without the names of internal functions."""
+  return re.sub(r'\{\{.*?\}\}', '', error.message).strip().split('\n')[0]
+
+
+def split_names(split: str) -> list[str]:
+  """The split names a split string reads: `'train[:90%]+test'` -> `['train', 'test']`."""
+  return [part.split('[')[0].strip() for part in split.split('+')]
+
+
+def _absolute_slices(split: str, sizes: dict[str, int]) -> list[tuple[str, slice]]:
+  """Resolves a tfds split string against split sizes into (split name, slice) pairs."""
+  infos = {name: types.SimpleNamespace(num_examples=n) for name, n in sizes.items()}
+  instructions = tfds.core.ReadInstruction.from_spec(split).to_absolute(infos)
+  return [(i.splitname, slice(i.from_, i.to)) for i in instructions]
+
+
+class ArraySource:
+  """A source with random access: every split is an array of items and an array of labels.
+
+  Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
+  paths for image folders. The epoch order is a stateless permutation of the share.
+  """
+
+  def __init__(self, name: str, label_names: list[str],
+               load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
+               decode: Callable[[tf.Tensor], tf.Tensor]):
+    self.name = name
+    self.label_names = label_names
+    self._load_split = functools.cache(load_split)
+    self._decode = decode
+
+  def select(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(items, labels) of a split string, e.g. `'train[:98%]'`."""
+    sizes = {name: len(self._load_split(name)[1]) for name in split_names(split)}
+    try:
+      slices = _absolute_slices(split, sizes)
+    except ValueError as e:
+      raise ValueError(
+          f'Bad split {split!r} for {self.name!r} (split sizes: {sizes}): {e}') from None
+    parts = [(self._load_split(name)[0][s], self._load_split(name)[1][s]) for name, s in slices]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+  def num_examples(self, split: str) -> int:
+    return len(self.select(split)[1])
+
+  def shard_sizes(self, split: str, process_count: int) -> list[int]:
+    """Number of examples in the share of each process."""
+    bounds = [shard_bounds(self.num_examples(split), p, process_count)
+              for p in range(process_count)]
+    return [end - start for start, end in bounds]
+
+  def shard(self, split: str, process_index: int, process_count: int) -> Shard:
+    items, labels = self.select(split)
+    start, end = shard_bounds(len(labels), process_index, process_count)
+    items = tf.constant(items[start:end])
+    labels = tf.constant(labels[start:end], tf.int64)
+
+    def epoch(key):
+      order = tf.range(end - start)
+      if key is not None:
+        order = tf.random.experimental.stateless_shuffle(order, seed=key)
+      return tf.data.Dataset.from_tensor_slices(order).map(
+          lambda i: {'image': tf.gather(items, i), 'label': tf.gather(labels, i)})
+
+    return Shard(end - start, epoch, self._decode)
+
+  def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
+    """The error to raise when decoding an image of `split` failed with `error`."""
+    del split  # Arrays of pixels always decode.
+    return ValueError(f'Cannot read an image of dataset {self.name!r}: {short_message(error)}')
+
+
+# The embedded dataset.
+
+
+def _embedded_arrays() -> dict[str, np.ndarray]:
+  if not os.path.exists(EMBEDDED_PATH):
+    raise FileNotFoundError(
+        f'The embedded dataset {EMBEDDED_PATH} is missing: reinstall vit_jax, or rebuild it with '
+        '`python scripts/build_embedded_dataset.py`.')
+  with np.load(EMBEDDED_PATH) as data:
+    return {name: data[name] for name in data.files}
+
+
+def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
+  """uint8 (height, width) -> uint8 (height, width, 3)."""
+  return tf.image.grayscale_to_rgb(image[..., None])
+
+
+def embedded_source() -> ArraySource:
+  """Fashion-MNIST as shipped in `vit_jax/data/` (see its README): splits `train` and `test`."""
+  arrays = _embedded_arrays()
+
+  def load_split(name):
+    if f'{name}_images' not in arrays:
+      raise ValueError(f'{EMBEDDED_DATASET} has splits train and test, not {name!r}: set '
+                       'config.train_split / config.test_split accordingly.')
+    return arrays[f'{name}_images'], arrays[f'{name}_labels']
+
+  return ArraySource(EMBEDDED_DATASET, [str(n) for n in arrays['label_names']], load_split,
+                     _grey_to_rgb)
+
+
+# Image folders.
+
+
+def decode_image_file(path: tf.Tensor) -> tf.Tensor:
+  """Reads and decodes a JPEG/PNG file: string () -> uint8 (height, width, 3)."""
+  return tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+
+
+def undecodable_files(paths: np.ndarray) -> Iterator[str]:
+  """Yields, in order, the files of `paths` (str (n,)) that cannot be read and decoded.
+
+  Decodes every file in parallel with tf.data and finds the failures as gaps in the sequence of
+  indices that decoded; stops as soon as the caller stops asking.
+  """
+  decoded = tf.data.Dataset.from_tensor_slices(paths).enumerate().map(
+      lambda i, path: (i, tf.shape(decode_image_file(path))),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+  expected = 0
+  for index, _ in decoded.as_numpy_iterator():
+    yield from (str(p) for p in paths[expected:index])
+    expected = index + 1
+  yield from (str(p) for p in paths[expected:])
+
+
+def _class_dirs(split_dir: str) -> list[str]:
+  """Sorted class names (subfolders) of `split_dir`, with a clear error if there are none."""
+  if not os.path.isdir(split_dir):
+    raise FileNotFoundError(
+        f'Image folder split {split_dir} does not exist: an image folder dataset needs '
+        f'DIR/<split>/<class_name>/*.jpg|jpeg|png (config.dataset=DIR).')
+  classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
+  if not classes:
+    raise ValueError(f'Image folder split {split_dir} has no class subfolders: put the images of '
+                     f'each class into {split_dir}/<class_name>/.')
+  return classes
+
+
+def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """Paths and labels of all images in `split_dir`, in a fixed class-mixed order."""
+  paths, labels = [], []
+  for class_name in _class_dirs(split_dir):
+    if class_name not in train_classes:
+      raise ValueError(
+          f'Class folder {os.path.join(split_dir, class_name)} has no counterpart in the train '
+          f'split (classes: {", ".join(train_classes)}): labels come from the train class '
+          'folders, so add it there or remove it here.')
+    class_dir = os.path.join(split_dir, class_name)
+    files = sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
+    paths += [os.path.join(class_dir, f) for f in files]
+    labels += [train_classes.index(class_name)] * len(files)
+  if not paths:
+    raise ValueError(f'Image folder split {split_dir} contains no {"/".join(IMAGE_EXTENSIONS)} '
+                     'files in its class subfolders.')
+  order = np.random.default_rng(_FILE_ORDER_SEED).permutation(len(paths))
+  return np.array(paths)[order], np.array(labels, np.int64)[order]
+
+
+def _drop_undecodable(split_dir: str, paths: np.ndarray,
+                      labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Removes the files that cannot be decoded, and logs how many and which."""
+  bad = list(undecodable_files(paths))
+  if bad:
+    shown = ', '.join(bad[:10]) + (' ...' if len(bad) > 10 else '')
+    logging.warning('Skipping %d undecodable image(s) of %d in %s (config.skip_bad_images): %s',
+                    len(bad), len(paths), split_dir, shown)
+  keep = ~np.isin(paths, bad)
+  return paths[keep], labels[keep]
+
+
+class FolderSource(ArraySource):
+  """Images in `directory/<split>/<class_name>/*.{jpg,jpeg,png}`; classes sorted by name."""
+
+  def __init__(self, directory: str, skip_bad_images: bool):
+    train_classes = _class_dirs(os.path.join(directory, 'train'))
+
+    def load_split(name):
+      split_dir = os.path.join(directory, name)
+      paths, labels = _list_images(split_dir, train_classes)
+      if skip_bad_images:
+        paths, labels = _drop_undecodable(split_dir, paths, labels)
+      return paths, labels
+
+    super().__init__(directory, train_classes, load_split, decode_image_file)
+
+  def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
+    paths, _ = self.select(split)
+    bad = next(undecodable_files(paths), None)
+    return ValueError(
+        f'Cannot decode image {bad or "(none found on a second read)"} of {self.name}: '
+        f'{short_message(error)} Remove or replace the file, or set config.skip_bad_images=True '
+        'to skip (and count) undecodable images.')
+
+
+# tfds datasets.
+
+
+class TfdsSource:
+  """A tfds image classification dataset with features `image` and `label`."""
+
+  def __init__(self, name: str, data_dir: Optional[str], manual_dir: Optional[str],
+               shuffle_buffer: int):
+    try:
+      self._builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ValueError(
+          f'config.dataset={name!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
+          f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}). Fix the name or the path.'
+      ) from None
+    if not self._builder.is_prepared():
+      self._prepare(manual_dir)
+    features = self._builder.info.features
+    if 'image' not in features or 'label' not in features:
+      raise ValueError(f'tfds dataset {name!r} has features {list(features)}; the input pipeline '
+                       "needs an image classification dataset with features 'image' and 'label'.")
+    self.name = name
+    self.label_names = list(features['label'].names)
+    self._shuffle_buffer = shuffle_buffer
+
+  def _prepare(self, manual_dir: Optional[str]):
+    logging.info('Preparing tfds dataset %s in %s', self._builder.name, self._builder.data_dir)
+    try:
+      self._builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    except Exception as e:
+      raise ValueError(
+          f'tfds dataset {self._builder.name!r} is not prepared in {self._builder.data_dir} and '
+          f'preparing it failed: {e}. Set config.tfds_data_dir to where it is prepared, or, for '
+          'datasets that need a manual download (e.g. imagenet2012), put the files into '
+          'config.tfds_manual_dir.') from e
+
+  def num_examples(self, split: str) -> int:
+    try:
+      return self._builder.info.splits[split].num_examples
+    except (KeyError, ValueError) as e:
+      raise ValueError(f'Bad split {split!r} for tfds dataset {self.name!r} (splits: '
+                       f'{list(self._builder.info.splits)}): {e}') from None
+
+  def shard_sizes(self, split: str, process_count: int) -> list[int]:
+    """Number of examples in the share of each process."""
+    self.num_examples(split)  # Validates the split string.
+    return [self.num_examples(s) for s in tfds.even_splits(split, process_count)]
+
+  def shard(self, split: str, process_index: int, process_count: int) -> Shard:
+    self.num_examples(split)  # Validates the split string.
+    process_split = tfds.even_splits(split, process_count)[process_index]
+    records = self._builder.as_dataset(
+        split=process_split, shuffle_files=False,
+        decoders={'image': tfds.decode.SkipDecoding()}).map(
+            lambda example: {'image': example['image'], 'label': example['label']})
+
+    def epoch(key):
+      if key is None:
+        return records
+      return records.shuffle(self._shuffle_buffer, seed=key[0], reshuffle_each_iteration=False)
+
+    return Shard(self.num_examples(process_split), epoch, self.decode)
+
+  @staticmethod
+  def decode(encoded: tf.Tensor) -> tf.Tensor:
+    return tf.io.decode_image(encoded, channels=3, expand_animations=False)
+
+  def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
+    return ValueError(f'Cannot decode an image of tfds dataset {self.name!r} split {split!r}: '
+                      f'{short_message(error)}')
+
+
+@functools.cache
+def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffer):
+  if dataset == EMBEDDED_DATASET:
+    return embedded_source()
+  if os.path.isdir(dataset):
+    return FolderSource(dataset, skip_bad_images)
+  return TfdsSource(dataset, data_dir, manual_dir, shuffle_buffer)
+
+
+def get_source(config):
+  """The source `config.dataset` names: the embedded dataset, an image folder or a tfds name."""
+  return _cached_source(config.dataset, config.get('tfds_data_dir'),
+                        config.get('tfds_manual_dir'), config.get('skip_bad_images', False),
+                        config.get('shuffle_buffer', 10_000))

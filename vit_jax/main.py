@@ -1,0 +1,49 @@
+"""Trains or fine-tunes a ViT: `python -m vit_jax.main [--config=FILE[:ARG]] [--workdir=DIR]`.
+
+Without `--config`, trains the default small ViT on the embedded Fashion-MNIST
+(configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`.
+"""
+import datetime
+import logging
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+import configs
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
+
+config_flags.DEFINE_config_file(
+    'config', DEFAULT_CONFIG, 'Config file, optionally with an argument: configs/vit.py:b16,cifar10',
+    lock_config=True)
+flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
+                    'holding a checkpoint resumes from it. Default: a fresh folder under '
+                    './workdirs.')
+
+
+def fresh_workdir() -> str:
+  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+  return tempfile.mkdtemp(prefix=f'{stamp}-', dir=os.makedirs('workdirs', exist_ok=True) or
+                          'workdirs')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logging.getLogger().setLevel(logging.INFO)
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (after flags: it imports jax)
+  workdir = flags.FLAGS.workdir or fresh_workdir()
+  logging.info('Workdir: %s', os.path.abspath(workdir))
+  try:
+    metrics = train.train_and_evaluate(flags.FLAGS.config, workdir)
+  except train.ConfigError as e:
+    sys.exit(f'Config error: {e}')
+  logging.info('Done: %s', ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,160 @@
+"""Classifies images with a ViT checkpoint and prints the top-5 classes of each.
+
+    python -m vit_jax.predict --model ViT-B_16 --checkpoint ViT-B_16_imagenet2012.npz \\
+        --labels imagenet2012 cat.jpg dog.png
+
+Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
+embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
+values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The number of
+classes and the representation size come from the checkpoint, the rest of the architecture from
+--model, and fields recorded next to the checkpoint (by vit_jax.convert) are applied.
+A missing file or an image that cannot be decoded is reported by name, the other images are still
+classified, and the exit status is 1.
+"""
+import argparse
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import jax
+import numpy as np
+from PIL import Image
+
+from vit_jax import checkpoint
+from vit_jax import models
+
+BATCH_SIZE = 16
+# The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
+IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
+
+
+def imagenet2012_labels_path() -> str:
+  spec = importlib.util.find_spec('tensorflow_datasets')
+  if spec is None:
+    raise FileNotFoundError('--labels imagenet2012 reads its names from tensorflow-datasets, '
+                            'which is not installed; pass a labels file instead.')
+  return os.path.join(spec.submodule_search_locations[0], *IMAGENET2012_LABELS)
+
+
+def load_labels(labels: Optional[str], num_classes: int) -> list[str]:
+  """Class names: 'imagenet2012', a text file with one name per line, or None (class indices)."""
+  if labels is None:
+    return [f'class {i}' for i in range(num_classes)]
+  path = imagenet2012_labels_path() if labels == 'imagenet2012' else labels
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No such labels file: {path}')
+  with open(path) as f:
+    names = [line.strip() for line in f if line.strip()]
+  if len(names) != num_classes:
+    raise ValueError(f'The labels ({path}) name {len(names)} classes but the checkpoint has '
+                     f'{num_classes}.')
+  return names
+
+
+def load_image(path: str, image_size: int) -> np.ndarray:
+  """The image at `path` as (image_size, image_size, 3) float32 RGB values in [-1, 1]."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such file')
+  try:
+    with Image.open(path) as image:
+      image = image.convert('RGB').resize((image_size, image_size), Image.Resampling.BILINEAR)
+  except (OSError, ValueError, Image.DecompressionBombError) as e:
+    raise ValueError(f'{path}: cannot decode the image ({e})') from None
+  return np.asarray(image, np.float32) / 127.5 - 1
+
+
+def model_for(name_or_config, params: dict, overrides: dict):
+  """The registry model (a name or a model config) with the classes and representation size of
+  `params`, and the VisionTransformer fields `overrides` (see checkpoint.load_model_overrides)."""
+  if 'head' not in params:
+    raise checkpoint.CheckpointError(
+        'The checkpoint has no head/ parameters: it extracts features but does not classify.')
+  pre_logits = params.get('pre_logits')
+  return models.get_model(
+      name_or_config, num_classes=params['head']['kernel'].shape[-1],
+      representation_size=None if pre_logits is None else pre_logits['kernel'].shape[-1],
+      **overrides)
+
+
+def posemb_of(params: dict) -> np.ndarray:
+  try:
+    return params['Transformer']['posembed_input']['pos_embedding']
+  except KeyError:
+    raise checkpoint.CheckpointError('The checkpoint has no Transformer/posembed_input/'
+                                     'pos_embedding: it is not a ViT checkpoint.') from None
+
+
+def native_image_size(params: dict, model) -> int:
+  """The image size, in pixels, at which the checkpoint's position embeddings form the grid."""
+  num_patches = posemb_of(params).shape[1] - ('cls' in params)
+  side, _ = checkpoint.square_grid(num_patches, "The checkpoint's position embeddings "
+                                   '(pass --image_size)')
+  return side * model.patch_size[0] * model.stem_stride
+
+
+def resized_to(params: dict, model, image_size: int) -> dict:
+  """`params` with the position embeddings resized for `image_size` pixels when needed."""
+  posemb, has_class_token = posemb_of(params), 'cls' in params
+  side = image_size // (model.patch_size[0] * model.stem_stride)
+  if posemb.shape[1] == side * side + has_class_token:
+    return params
+  posemb = checkpoint.resize_posemb(posemb, (side, side), has_class_token=has_class_token)
+  transformer = dict(params['Transformer'], posembed_input={'pos_embedding': posemb})
+  return dict(params, Transformer=transformer)
+
+
+def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
+  """Lines '  42.15%  name (index)' of the k most probable classes, most probable first."""
+  order = np.argsort(-probabilities)[:k]
+  return [f'  {100 * probabilities[i]:6.2f}%  {labels[i]} ({i})' for i in order]
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads)')
+  parser.add_argument('--model', required=True, help='registry name, e.g. ViT-B_16')
+  parser.add_argument('--checkpoint', required=True, help='.npz in the published layout')
+  parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
+                      'class name per line; default: class indices')
+  parser.add_argument('--image_size', type=int,
+                      help="default: the resolution of the checkpoint's position embeddings")
+  parser.add_argument('--top', type=int, default=5, help='classes printed per image')
+  return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  args = parse_args(argv)
+  try:
+    params = checkpoint.load(args.checkpoint)
+    model = model_for(args.model, params, checkpoint.load_model_overrides(args.checkpoint))
+    image_size = args.image_size or native_image_size(params, model)
+    params = resized_to(params, model, image_size)
+    checkpoint.check_matches(params, models.param_shapes(model, image_size),
+                             source=args.checkpoint)
+    labels = load_labels(args.labels, model.num_classes)
+  except (ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+
+  images, failed = {}, False
+  for path in args.images:
+    try:
+      images[path] = load_image(path, image_size)
+    except (ValueError, FileNotFoundError) as e:
+      print(f'error: {e}', file=sys.stderr)
+      failed = True
+  classify = jax.jit(lambda p, x: jax.nn.softmax(model.apply({'params': p}, x, train=False)))
+  paths = list(images)
+  for start in range(0, len(paths), BATCH_SIZE):
+    batch = paths[start:start + BATCH_SIZE]
+    probabilities = np.asarray(classify(params, np.stack([images[p] for p in batch])))
+    for path, p in zip(batch, probabilities):
+      print(f'{path} ({image_size}x{image_size} px):')
+      print('\n'.join(top_k(p, labels, args.top)))
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

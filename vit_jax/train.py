@@ -1,0 +1,365 @@
+"""Training and fine-tuning: one sharded `jax.jit` update step, evaluation, checkpoints, metrics.
+
+The data flows one way: config -> (dataset info, mesh, model, optimiser) -> train state ->
+step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
+and at the end the params as `WORKDIR/model.npz` in the published format.
+"""
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Callable
+
+from clu import metric_writers
+import flax
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from vit_jax import checkpoint
+from vit_jax import hardware
+from vit_jax import input_pipeline
+from vit_jax import models
+
+Batch = dict[str, jax.Array]
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message is one line naming the field and the fix."""
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a resumed run needs besides the data order: step, params, optimiser, rng."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # A raw uint32 PRNG key; dropout keys are folded in from it per step.
+
+
+# Setup.
+
+
+def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
+  """A ('data', 'model') mesh over `devices` (all by default); `mesh.data = -1` takes the rest."""
+  devices = np.asarray(jax.devices() if devices is None else devices)
+  model_size = config.mesh.model
+  data_size = config.mesh.data if config.mesh.data != -1 else devices.size // model_size
+  if data_size * model_size != devices.size:
+    raise ConfigError(
+        f'config.mesh data={config.mesh.data} x model={model_size} does not cover the '
+        f'{devices.size} devices: make their product {devices.size} (data=-1 fills it in).')
+  return Mesh(devices.reshape(data_size, model_size), ('data', 'model'))
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Raises ConfigError for a config that cannot train, before anything is compiled."""
+  data_devices = num_devices // config.mesh.model if config.mesh.data == -1 else config.mesh.data
+  if config.batch % (data_devices * config.accum_steps):
+    raise ConfigError(
+        f'config.batch={config.batch} is not divisible by {data_devices} data-parallel devices x '
+        f'config.accum_steps={config.accum_steps}: make it a multiple of '
+        f'{data_devices * config.accum_steps}.')
+  if config.batch_eval % data_devices:
+    raise ConfigError(f'config.batch_eval={config.batch_eval} is not divisible by '
+                      f'{data_devices} data-parallel devices: make it a multiple of it.')
+  model = build_model(config, num_classes=1)
+  step = model.stem_stride * np.array(model.patch_size)
+  if any(config.pp.crop % step):
+    raise ConfigError(
+        f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
+        f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
+        f'{max(config.pp.crop // step[0], 1) * step[0]}.')
+  for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
+                         ('dtype', ('float32', 'bfloat16'))):
+    if config[field] not in choices:
+      raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
+  if config.pretrained_path and not os.path.exists(config.pretrained_path) and '://' not in (
+      config.pretrained_path):
+    raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not exist: give '
+                      'the path of a .npz checkpoint (published, or a WORKDIR/model.npz).')
+
+
+def build_model(config: ml_collections.ConfigDict, num_classes: int):
+  """The VisionTransformer of `config.model` in `config.dtype`."""
+  return models.get_model(config.model, num_classes=num_classes, dtype=jnp.dtype(config.dtype))
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup from 0 to `base_lr` over `warmup_steps`, then cosine or linear to `min_lr`."""
+  warmup = optax.linear_schedule(0.0, config.base_lr, config.warmup_steps)
+  decay_steps = max(config.total_steps - config.warmup_steps, 1)
+  if config.decay_type == 'cosine':
+    decay = optax.cosine_decay_schedule(config.base_lr, decay_steps,
+                                        alpha=config.min_lr / config.base_lr)
+  else:
+    decay = optax.linear_schedule(config.base_lr, config.min_lr, decay_steps)
+  return optax.join_schedules([warmup, decay], [config.warmup_steps])
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Global-norm clipping, then momentum SGD (bfloat16 accumulator) or AdamW on kernels."""
+  schedule = learning_rate_schedule(config)
+  if config.optimizer == 'sgd':
+    update = optax.sgd(schedule, momentum=config.momentum, accumulator_dtype=jnp.bfloat16)
+  else:
+    decay_kernels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key == 'kernel', params)
+    update = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay,
+                         mask=decay_kernels)
+  return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
+  """Per-example softmax cross-entropy: logits (B, C), int labels (B,) -> (B,)."""
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing) if (
+      label_smoothing) else jax.nn.one_hot(labels, logits.shape[-1])
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def state_sharding(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+  """Every leaf of the train state replicated over the mesh."""
+  return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_state)
+
+
+def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
+                       params: Any = None) -> tuple[TrainState, TrainState]:
+  """(state, its shardings), initialised on the devices; `params` replaces the fresh ones."""
+  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+
+  def init(rng):
+    new_params = model.init(rng, images, train=False)['params'] if params is None else params
+    return TrainState(step=jnp.zeros((), jnp.int32), params=new_params,
+                      opt_state=optimizer.init(new_params), rng=jax.random.fold_in(rng, 1))
+
+  rng = jax.random.PRNGKey(config.seed)
+  shardings = state_sharding(jax.eval_shape(init, rng), mesh)
+  return jax.jit(init, out_shardings=shardings)(rng), shardings
+
+
+def init_params(config, model, image_size: int):
+  """Freshly initialised params on the host (the same as the train state's at step 0)."""
+  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+  return jax.jit(lambda rng: model.init(rng, images, train=False)['params'])(
+      jax.random.PRNGKey(config.seed))
+
+
+# The step.
+
+
+def microbatches(batch: Batch, accum_steps: int) -> Batch:
+  """(B, ...) -> (accum_steps, B / accum_steps, ...); each micro-batch takes from every device."""
+  return jax.tree.map(
+      lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
+      batch)
+
+
+def make_train_step(model, optimizer, config) -> Callable[[TrainState, Batch], tuple]:
+  """update(state, batch) -> (state, metrics): forward, backward, optimiser; not yet jitted."""
+  schedule = learning_rate_schedule(config)
+
+  def loss_fn(params, images, labels, rng):
+    logits = model.apply({'params': params}, images, train=True, rngs={'dropout': rng})
+    return jnp.mean(cross_entropy(logits, labels, config.label_smoothing))
+
+  def loss_and_grads(params, batch, rng):
+    if config.accum_steps == 1:
+      return jax.value_and_grad(loss_fn)(params, batch['image'], batch['label'], rng)
+
+    def accumulate(carry, micro):
+      index, micro_batch = micro
+      loss, grads = jax.value_and_grad(loss_fn)(
+          params, micro_batch['image'], micro_batch['label'], jax.random.fold_in(rng, index))
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(config.accum_steps), microbatches(batch, config.accum_steps)))
+    return jax.tree.map(lambda x: x / config.accum_steps, (loss, grads))
+
+  def train_step(state: TrainState, batch: Batch):
+    rng = jax.random.fold_in(state.rng, state.step)
+    loss, grads = loss_and_grads(state.params, batch, rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {'train_loss': loss, 'grad_norm': optax.tree.norm(grads),
+               'learning_rate': schedule(state.step)}
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(model) -> Callable[[Any, Batch], dict]:
+  """eval(params, batch) -> sums over the unmasked examples: correct, loss, count."""
+
+  def eval_step(params, batch):
+    logits = model.apply({'params': params}, batch['image'], train=False)
+    mask = batch['mask'].astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
+    return {'correct': jnp.sum(correct * mask),
+            'loss': jnp.sum(cross_entropy(logits, batch['label']) * mask),
+            'count': jnp.sum(mask)}
+
+  return eval_step
+
+
+def evaluate(eval_step, params, config, mesh: Mesh) -> dict[str, float]:
+  """Top-1 accuracy and mean loss over the whole test split."""
+  totals = {'correct': 0.0, 'loss': 0.0, 'count': 0.0}
+  for batch in input_pipeline.get_eval_iterator(config, mesh):
+    sums = eval_step(params, batch)
+    totals = {k: totals[k] + v for k, v in sums.items()}
+  totals = jax.device_get(totals)
+  return {'test_accuracy': float(totals['correct'] / totals['count']),
+          'test_loss': float(totals['loss'] / totals['count'])}
+
+
+# Checkpoints.
+
+
+def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.join(os.path.abspath(workdir), 'checkpoints'),
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, state: TrainState, data_state: dict):
+  manager.save(int(jax.device_get(state.step)), args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
+                       shardings: TrainState) -> tuple[TrainState, dict]:
+  """The latest checkpoint's (state, data-iterator state), placed with `shardings`."""
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          state, shardings)
+  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+  return restored.state, restored.data
+
+
+# The loop.
+
+
+def flatten_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{'pp.crop': 224, ...} with TensorBoard-friendly values, for hparams."""
+  flat = {}
+
+  def visit(prefix, value):
+    if isinstance(value, dict):
+      for key, sub in value.items():
+        visit(f'{prefix}{key}.', sub)
+    else:
+      flat[prefix[:-1]] = value if isinstance(value, (int, float, str, bool)) else str(value)
+
+  visit('', config.to_dict())
+  return flat
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
+
+  A workdir holding a checkpoint resumes from its latest one.
+  """
+  validate_config(config, jax.device_count())
+  info = input_pipeline.get_dataset_info(config)
+  mesh = make_mesh(config)
+  model = build_model(config, info.num_classes)
+  optimizer = make_optimizer(config)
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    write_config(config, workdir)
+
+  params = None
+  if config.pretrained_path:
+    params = load_pretrained_params(config, model)
+  state, shardings = create_train_state(config, model, optimizer, mesh, config.pp.crop, params)
+  manager = checkpoint_manager(workdir, config)
+  if manager.latest_step() is not None:
+    state, data_state = restore_checkpoint(manager, state, shardings)
+    train_iter = input_pipeline.restore_train_iterator(config, mesh, data_state)
+    logging.info('Resuming from step %d of %s.', int(state.step), manager.directory)
+  else:
+    train_iter = input_pipeline.get_train_iterator(config, mesh)
+
+  batch_sharding = NamedSharding(mesh, P('data'))
+  train_step = jax.jit(make_train_step(model, optimizer, config),
+                       in_shardings=(shardings, batch_sharding),
+                       out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model))
+
+  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  if int(state.step) == 0:
+    writer.write_hparams(flatten_config(config))
+  flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
+  peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
+  peak_flops *= jax.process_count()
+  logging.info('%s: %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
+               config.model_name, flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
+
+  first_step = int(state.step)
+  last_metrics = {}
+  timer_start, timer_step = time.perf_counter(), first_step
+  for step in range(first_step + 1, config.total_steps + 1):
+    state, metrics = train_step(state, next(train_iter))
+    if step == first_step + 1:  # Leave compilation out of the throughput.
+      jax.block_until_ready(state)
+      timer_start, timer_step = time.perf_counter(), step
+    if step % config.progress_every == 0 or step == config.total_steps:
+      metrics = jax.device_get(metrics)
+      elapsed = time.perf_counter() - timer_start
+      images_per_second = (step - timer_step) * config.batch / elapsed
+      metrics.update(images_per_second=images_per_second,
+                     mfu=images_per_second * flops_per_image / peak_flops)
+      writer.write_scalars(step, metrics)
+      eta = (config.total_steps - step) * elapsed / (step - timer_step)
+      logging.info('step %d/%d: loss %.4f, %.0f img/s, MFU %.3f, ETA %s', step,
+                   config.total_steps, metrics['train_loss'], images_per_second, metrics['mfu'],
+                   _format_seconds(eta))
+      last_metrics.update(metrics)
+      timer_start, timer_step = time.perf_counter(), step
+    if step % config.eval_every == 0 or step == config.total_steps:
+      eval_start = time.perf_counter()
+      eval_metrics = evaluate(eval_step, state.params, config, mesh)
+      writer.write_scalars(step, eval_metrics)
+      logging.info('step %d: test accuracy %.4f, test loss %.4f', step,
+                   eval_metrics['test_accuracy'], eval_metrics['test_loss'])
+      last_metrics.update(eval_metrics)
+      timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
+    if step % config.checkpoint_every == 0 or step == config.total_steps:
+      save_checkpoint(manager, state, train_iter.get_state())
+
+  manager.wait_until_finished()
+  writer.flush()
+  if is_main:
+    export_path = os.path.join(workdir, 'model.npz')
+    checkpoint.save(jax.device_get(state.params), export_path)
+    logging.info('Wrote the final params to %s.', export_path)
+  return last_metrics
+
+
+def load_pretrained_params(config, model):
+  """Pretrained params from `config.pretrained_path`, fitted to `model` at `config.pp.crop`."""
+  fresh = init_params(config, model, config.pp.crop)
+  try:
+    return checkpoint.load_pretrained(config.pretrained_path, jax.device_get(fresh),
+                                      config.model, posemb_method=config.posemb_method)
+  except (ValueError, KeyError) as e:
+    raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not fit '
+                      f'{config.model_name}: {e}') from None
+
+
+def _format_seconds(seconds: float) -> str:
+  seconds = int(round(seconds))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'

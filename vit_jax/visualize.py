@@ -1,0 +1,337 @@
+"""Figures of what a Vision Transformer learned, as PNG files (paper Section 4.5, Figure 7).
+
+    python -m vit_jax.visualize --checkpoint WORKDIR --output figures/
+    python -m vit_jax.visualize --checkpoint ViT-B_16.npz --model ViT-B_16 \\
+        --images cat.jpg dog.png --output figures/
+
+`--checkpoint` is a published `.npz` (then `--model` names its registry model and the image size
+follows from the position embeddings) or a training workdir (`model.npz`, `config.json` and the
+TensorBoard events). Without `--images`, the first `--num_images` test images of the embedded
+Fashion-MNIST set are used. Each figure written is printed as its path:
+
+- attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
+  to the patches, over each image.
+- attention_layers: each layer's head-averaged attention from the class token (or token mean).
+- attention_heads: the same for each head of the last layer.
+- position_similarity: cosine similarity between the position embeddings of the patches.
+- mean_attention_distance: per layer and head, the mean distance attention reaches, in pixels.
+- embedding_filters: the first 28 principal components of the RGB patch-embedding filters.
+- training_curves: loss, accuracy and learning rate against step (workdirs only).
+
+The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotlib Figures
+(made without pyplot, so no display is needed) for reuse in notebooks.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Optional, Sequence
+
+import matplotlib
+import matplotlib.cm
+import matplotlib.colors
+import matplotlib.ticker
+from matplotlib.figure import Figure
+import ml_collections
+import numpy as np
+from PIL import Image
+
+from vit_jax import analysis
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax import predict
+
+FIGURES = ('attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
+           'mean_attention_distance', 'embedding_filters', 'training_curves')
+MAP_COLORMAP = 'inferno'
+BATCH_SIZE = 8  # Images per forward pass; bounds the memory of the attention stacks.
+NUM_FILTER_COMPONENTS = 28
+# Tags logged by training, per panel of the training curves.
+CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accuracy',)),
+                ('Learning rate', ('learning_rate',)))
+
+# Loading a model, its parameters and images.
+
+
+def read_workdir_config(workdir: str) -> dict:
+  """The run's `config.json`; a FileNotFoundError that names the path and the fix if absent."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No {path} to build the model from: pass --model NAME.')
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_model(checkpoint_path: str, model_name: Optional[str] = None):
+  """(model, params, image size) of an `.npz` checkpoint or a training workdir.
+
+  A workdir's model and image size come from its `config.json` (`model`, `pp.crop`) unless
+  `model_name` is given; an `.npz` needs `model_name`, and its position embeddings give the
+  image size. Classes, representation size and recorded overrides follow the checkpoint, as in
+  `vit_jax.predict`.
+  """
+  if os.path.isdir(checkpoint_path):
+    params_path = os.path.join(checkpoint_path, 'model.npz')
+    config = {} if model_name else read_workdir_config(checkpoint_path)
+    model_config = model_name or ml_collections.ConfigDict(config['model'])
+    image_size = config.get('pp', {}).get('crop')
+  elif model_name is None:
+    raise ValueError(f'{checkpoint_path} is an .npz checkpoint: name its model with '
+                     f'--model NAME (one of {", ".join(models.MODEL_CONFIGS)}).')
+  else:
+    params_path, model_config, image_size = checkpoint_path, model_name, None
+  params = checkpoint.load(params_path)
+  model = predict.model_for(model_config, params, checkpoint.load_model_overrides(params_path))
+  image_size = image_size or predict.native_image_size(params, model)
+  checkpoint.check_matches(params, models.param_shapes(model, image_size), source=params_path)
+  return model, params, image_size
+
+
+def embedded_images(num_images: int, size: int) -> np.ndarray:
+  """The first test images of the embedded Fashion-MNIST set: (B, size, size, 3) in [-1, 1]."""
+  from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
+  with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+    grey = data['test_images'][:num_images]
+  rgb = [Image.fromarray(x).convert('RGB').resize((size, size), Image.Resampling.BILINEAR)
+         for x in grey]
+  return np.stack(rgb).astype(np.float32) / 127.5 - 1
+
+
+# The figures.
+
+
+def _to_display(image: np.ndarray) -> np.ndarray:
+  return np.clip((image + 1) / 2, 0, 1)
+
+
+def plot_maps_over_images(images: np.ndarray, maps: np.ndarray, column_titles: Sequence[str],
+                          title: str) -> Figure:
+  """Each image, then its K maps overlaid: images (B, H, W, 3) in [-1, 1], maps (B, K, g_h, g_w).
+
+  Each map is scaled to its own maximum, so colours compare patches within a map only.
+  """
+  num_images, num_maps = maps.shape[:2]
+  h, w = images.shape[1:3]
+  panel = float(np.clip(28 / (num_maps + 1), 0.9, 1.8))  # Inches; deep models get narrower ones.
+  fig = Figure(figsize=(panel * (num_maps + 1) + 0.8, panel * num_images + 0.6),
+               layout='constrained')
+  axes = fig.subplots(num_images, num_maps + 1, squeeze=False)
+  peaks = maps.max(axis=(-2, -1), keepdims=True)
+  relative = np.divide(maps, peaks, out=np.zeros_like(maps), where=peaks > 0)
+  for b in range(num_images):
+    axes[b, 0].imshow(_to_display(images[b]))
+    for k in range(num_maps):
+      axes[b, k + 1].imshow(_to_display(images[b]))
+      axes[b, k + 1].imshow(relative[b, k], cmap=MAP_COLORMAP, alpha=0.6, vmin=0, vmax=1,
+                            extent=(0, w, h, 0), interpolation='bilinear')
+  for ax in axes.ravel():
+    ax.set_xticks([])
+    ax.set_yticks([])
+  for ax, column_title in zip(axes[0], ['Input'] + list(column_titles)):
+    ax.set_title(column_title, fontsize=9)
+  scale = matplotlib.cm.ScalarMappable(matplotlib.colors.Normalize(0, 1), MAP_COLORMAP)
+  fig.colorbar(scale, ax=axes, shrink=0.8, label='Attention / its maximum')
+  fig.suptitle(title)
+  return fig
+
+
+def plot_position_similarity(similarity: np.ndarray, title: str) -> Figure:
+  """(g_h, g_w, g_h, g_w) similarities as a g_h x g_w grid of small heat maps (Figure 7, centre)."""
+  gh, gw = similarity.shape[:2]
+  mosaic = np.full((gh * (gh + 1) - 1, gw * (gw + 1) - 1), np.nan)
+  for i in range(gh):
+    for j in range(gw):
+      mosaic[i * (gh + 1):i * (gh + 1) + gh, j * (gw + 1):j * (gw + 1) + gw] = similarity[i, j]
+  fig = Figure(figsize=(7, 6), layout='constrained')
+  ax = fig.subplots()
+  shown = ax.imshow(mosaic, cmap='viridis', vmin=-1, vmax=1, interpolation='nearest')
+  tick_step = max(1, math.ceil(max(gh, gw) / 16))
+  ax.set_xticks(np.arange(0, gw, tick_step) * (gw + 1) + (gw - 1) / 2,
+                np.arange(1, gw + 1, tick_step))
+  ax.set_yticks(np.arange(0, gh, tick_step) * (gh + 1) + (gh - 1) / 2,
+                np.arange(1, gh + 1, tick_step))
+  ax.set_xlabel('Input patch column')
+  ax.set_ylabel('Input patch row')
+  fig.colorbar(shown, ax=ax, label='Cosine similarity')
+  ax.set_title(title)
+  return fig
+
+
+def plot_mean_attention_distance(distances: np.ndarray, image_size: int, title: str) -> Figure:
+  """(L, N) distances in pixels as a scatter of heads against depth (Figure 7, right)."""
+  num_layers, num_heads = distances.shape
+  fig = Figure(figsize=(6, 4.5), layout='constrained')
+  ax = fig.subplots()
+  layers = np.arange(1, num_layers + 1)
+  colors = matplotlib.colormaps['turbo'](np.linspace(0.05, 0.95, num_heads))
+  for n in range(num_heads):
+    ax.scatter(layers, distances[:, n], s=14, color=colors[n], label=f'Head {n + 1}')
+  if num_heads <= 16:
+    ax.legend(fontsize=7, ncol=2, loc='lower right')
+  ax.set_xlabel('Network depth (layer)')
+  ax.set_ylabel('Mean attention distance (pixels)')
+  ax.set_xlim(0.5, num_layers + 0.5)
+  ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+  ax.set_ylim(0, max(image_size, 1.05 * distances.max()))
+  ax.set_title(title)
+  return fig
+
+
+def plot_embedding_filters(components: np.ndarray, variance_ratio: np.ndarray,
+                           title: str) -> Figure:
+  """(K, P, P, 3) principal components as RGB images, each scaled to [0, 1] (Figure 7, left)."""
+  num_columns = 7
+  num_rows = math.ceil(len(components) / num_columns)
+  fig = Figure(figsize=(1.3 * num_columns, 1.4 * num_rows + 0.5), layout='constrained')
+  axes = fig.subplots(num_rows, num_columns, squeeze=False)
+  for ax in axes.ravel():
+    ax.axis('off')
+  for ax, component, ratio in zip(axes.ravel(), components, variance_ratio):
+    low, high = component.min(), component.max()
+    ax.imshow((component - low) / max(high - low, 1e-12), interpolation='nearest')
+    ax.set_title(f'{100 * ratio:.1f}%', fontsize=8)
+  fig.suptitle(title)
+  return fig
+
+
+def plot_training_curves(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str) -> Figure:
+  """Loss, accuracy and learning rate against step, from `analysis.read_scalars`."""
+  fig = Figure(figsize=(13, 3.8), layout='constrained')
+  axes = fig.subplots(1, len(CURVE_PANELS))
+  for ax, (label, tags) in zip(axes, CURVE_PANELS):
+    logged = [tag for tag in tags if tag in curves]
+    for tag in logged:
+      steps, values = curves[tag]
+      ax.plot(steps, values, marker='.' if len(steps) < 30 else None, label=tag)
+    if logged:
+      ax.legend(fontsize=8)
+    else:
+      ax.text(0.5, 0.5, f'{", ".join(tags)} not logged', ha='center', transform=ax.transAxes)
+    ax.set_xlabel('Step')
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  fig.suptitle(title)
+  return fig
+
+
+# The command line.
+
+
+def attention_statistics(model, params, images: np.ndarray, grid: tuple[int, int]):
+  """Per-image maps and the mean attention distance, computed BATCH_SIZE images at a time.
+
+  Returns rollout maps (B, 1, g_h, g_w), per-layer maps (B, L, g_h, g_w), the last layer's
+  per-head maps (B, N, g_h, g_w) and the distances (L, N) averaged over all B images.
+  """
+  class_token = analysis.has_class_token(model.classifier)
+  to_map = lambda matrix: analysis.token_to_patch_map(matrix, grid, class_token)
+  rollouts, layers, heads, distance_sum = [], [], [], 0
+  for start in range(0, len(images), BATCH_SIZE):
+    batch = images[start:start + BATCH_SIZE]
+    attention = analysis.attention_weights(model, params, batch)
+    rollouts.append(to_map(analysis.attention_rollout(attention))[:, None])
+    layers.append(to_map(attention.mean(axis=2)).transpose(1, 0, 2, 3))
+    heads.append(to_map(attention[-1]))
+    distance_sum += len(batch) * analysis.mean_attention_distance(
+        attention, grid, analysis.patch_pixels(model), class_token)
+  return (np.concatenate(rollouts), np.concatenate(layers), np.concatenate(heads),
+          distance_sum / len(images))
+
+
+def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
+                  wanted: Sequence[str]) -> dict[str, Figure]:
+  """The figures in `wanted` that need the model and its parameters."""
+  grid = analysis.patch_grid(model, (image_size, image_size))
+  class_token = analysis.has_class_token(model.classifier)
+  source = 'class token' if class_token else 'token mean'
+  figures = {}
+  if {'attention_rollout', 'attention_layers', 'attention_heads',
+      'mean_attention_distance'} & set(wanted):
+    rollout, layers, heads, distances = attention_statistics(model, params, images, grid)
+    figures['attention_rollout'] = plot_maps_over_images(
+        images, rollout, ['Rollout'], f'{name}: attention rollout from the {source}')
+    figures['attention_layers'] = plot_maps_over_images(
+        images, layers, [f'Layer {i + 1}' for i in range(layers.shape[1])],
+        f'{name}: attention from the {source}, per layer (mean of heads)')
+    figures['attention_heads'] = plot_maps_over_images(
+        images, heads, [f'Head {i + 1}' for i in range(heads.shape[1])],
+        f'{name}: attention from the {source}, last layer, per head')
+    figures['mean_attention_distance'] = plot_mean_attention_distance(
+        distances, image_size, f'{name}: mean attention distance over {len(images)} images')
+  if 'position_similarity' in wanted:
+    similarity = analysis.position_similarity(
+        params['Transformer']['posembed_input']['pos_embedding'], grid, class_token)
+    figures['position_similarity'] = plot_position_similarity(
+        similarity, f'{name}: position embedding similarity')
+  kernel = params['embedding']['kernel']
+  if 'embedding_filters' in wanted and kernel.shape[2] == 3:
+    components, ratio = analysis.embedding_filter_components(kernel, NUM_FILTER_COMPONENTS)
+    figures['embedding_filters'] = plot_embedding_filters(
+        components, ratio, f'{name}: principal components of the RGB embedding filters '
+        '(% of variance)')
+  elif 'embedding_filters' in wanted:
+    print(f'Skipped embedding_filters: the embedding of {name} sees {kernel.shape[2]} ResNet '
+          'channels, not RGB pixels.', file=sys.stderr)
+  return {k: v for k, v in figures.items() if k in wanted}
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--checkpoint', required=True,
+                      help='A .npz checkpoint or a training workdir.')
+  parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
+  parser.add_argument('--output', required=True, help='Folder the PNG files are written to.')
+  parser.add_argument('--images', nargs='+', default=[], help='Image files to draw attention on.')
+  parser.add_argument('--num_images', type=int, default=4,
+                      help='Embedded test images to use when --images is not given.')
+  parser.add_argument('--figures', nargs='+', choices=FIGURES, default=list(FIGURES),
+                      metavar='FIGURE', help=f'Figures to draw, of {", ".join(FIGURES)} '
+                      '(default: all that apply).')
+  return parser.parse_args(argv)
+
+
+def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
+  """The figures that `args` ask for and that apply to the checkpoint, by name."""
+  name = args.model or os.path.basename(os.path.normpath(args.checkpoint))
+  figures = {}
+  if set(args.figures) - {'training_curves'}:
+    model, params, image_size = load_model(args.checkpoint, args.model)
+    if args.images:
+      images = np.stack([predict.load_image(path, image_size) for path in args.images])
+    elif args.num_images > 0:
+      images = embedded_images(args.num_images, image_size)
+    else:
+      raise ValueError(f'--num_images={args.num_images}: draw on at least 1 image.')
+    figures.update(model_figures(model, params, image_size, images, name, args.figures))
+  if 'training_curves' in args.figures and os.path.isdir(args.checkpoint):
+    curves = analysis.read_scalars(args.checkpoint)
+    if not {tag for _, tags in CURVE_PANELS for tag in tags} & set(curves):
+      raise ValueError(f'No training scalars in {args.checkpoint}; found tags {sorted(curves)}.')
+    figures['training_curves'] = plot_training_curves(curves, f'{name}: training')
+  elif 'training_curves' in args.figures:
+    print('Skipped training_curves: it needs a training workdir as --checkpoint.',
+          file=sys.stderr)
+  return figures
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Writes the figures and prints their paths; returns the exit status, 2 for bad input."""
+  args = parse_args(argv)
+  try:
+    figures = draw_figures(args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  os.makedirs(args.output, exist_ok=True)
+  for figure_name in FIGURES:
+    if figure_name in figures:
+      path = os.path.join(args.output, f'{figure_name}.png')
+      figures[figure_name].savefig(path, dpi=100)
+      print(path)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
