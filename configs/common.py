@@ -22,6 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
       'resize': ml_collections.FieldReference(None, field_type=int),  # Eval: short side first.
       'flip': True,
       'inception_crop': True,
+      'area_min': 0.05,  # Inception crop: smallest fraction of the image area kept.
   })
 
   # Model: a registry name (see vit_jax.models.MODEL_CONFIGS) or a registry-style config.
@@ -46,8 +47,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
 
-  # Devices: a mesh of all devices along 'data'; 'model' splits heads and MLP (issue 6).
+  # Devices: a ('data', 'model') mesh; data=-1 takes all devices the model axis leaves.
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
+  # Layout of params and optimiser state: 'data', 'fsdp', 'tensor' or 'fsdp+tensor' (see
+  # vit_jax/sharding.py); `tensor` maps these logical axes to mesh axes.
+  config.sharding = 'data'
+  config.logical_axis_rules = [('heads', 'model'), ('mlp', 'model')]
 
   # Logging and checkpoints.
   config.progress_every = 50

@@ -106,14 +106,26 @@ def folder(tmp_path_factory):
   return root
 
 
-@pytest.fixture(params=['embedded', 'folder', 'tfds'])
-def config_factory(request, folder, tfds_config_factory):
-  """Builds configs for each kind of source."""
-  if request.param == 'embedded':
+def source_config_factory(kind, request):
+  """Builds configs for the source `kind` ('embedded', 'folder' or 'tfds')."""
+  if kind == 'embedded':
     return make_config
-  if request.param == 'folder':
+  if kind == 'folder':
+    folder = request.getfixturevalue('folder')
     return lambda **kw: make_config(dataset=str(folder), **kw)
-  return tfds_config_factory
+  return request.getfixturevalue('tfds_config_factory')
+
+
+@pytest.fixture(params=['embedded', 'folder', 'tfds'])
+def config_factory(request):
+  """Builds configs for each kind of source."""
+  return source_config_factory(request.param, request)
+
+
+@pytest.fixture(params=['embedded', 'folder'])
+def random_access_config_factory(request):
+  """Builds configs for the sources with random access, whose global order is process-free."""
+  return source_config_factory(request.param, request)
 
 
 # Each source yields correct shapes, value ranges and labels.
@@ -199,6 +211,29 @@ def test_two_processes_cover_every_example_once(config_factory):
   assert sum(test.values()) == 6
 
 
+def global_batches(config, process_count, steps, start_step=0):
+  """The local batches of `process_count` processes at each step, concatenated in process order."""
+  local = [take(ip.train_batches(config, process_index=p, process_count=process_count,
+                                 start_step=start_step), steps) for p in range(process_count)]
+  return [{name: np.concatenate([batches[step][name] for batches in local])
+           for name in ('image', 'label')} for step in range(steps)]
+
+
+def test_random_access_global_batches_do_not_depend_on_the_process_count(
+    random_access_config_factory):
+  config = random_access_config_factory(train_split='train[:12]')  # Steps 1, 4 cross epochs.
+  one_process = global_batches(config, 1, 5)
+  two_processes = global_batches(config, 2, 5)
+  resumed_on_four = global_batches(config, 4, 2, start_step=3)
+  for expected, two in zip(one_process, two_processes):
+    np.testing.assert_array_equal(expected['image'], two['image'])
+    np.testing.assert_array_equal(expected['label'], two['label'])
+  for expected, four in zip(one_process[3:], resumed_on_four):
+    np.testing.assert_array_equal(expected['image'], four['image'])
+    np.testing.assert_array_equal(expected['label'], four['label'])
+  assert not np.array_equal(one_process[0]['image'][:4], one_process[0]['image'][4:])
+
+
 def test_same_seed_same_batches_and_resume_continues_identically(config_factory):
   config = config_factory(train_split='train[:12]')  # Steps 1 and 4 cross epoch boundaries.
   run = take(ip.train_batches(config), 6)
@@ -238,13 +273,22 @@ def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
   assert first['image'].sharding == NamedSharding(mesh, P('data'))
   next(iterator)
   state = json.loads(json.dumps(iterator.get_state()))
-  assert state['step'] == 2
+  assert state == {'step': 2, 'dataset': ip.EMBEDDED_DATASET, 'train_split': 'train[:40]',
+                   'seed': 0, 'batch': 16}  # No process count: any number of processes resumes.
   expected = take(iterator, 2)
   resumed = take(ip.restore_train_iterator(config, mesh, state), 2)
   for a, b in zip(expected, resumed):
     np.testing.assert_array_equal(a['image'], b['image'])
   with pytest.raises(ValueError, match=r'seed: saved 0, now 1.*start_step'):
     ip.restore_train_iterator(make_config(batch=16, train_split='train[:40]', seed=1), mesh, state)
+
+
+def test_tfds_iterator_state_records_the_process_count(mesh, tfds_config_factory):
+  config = tfds_config_factory(batch=16)
+  state = ip.get_train_iterator(config, mesh).get_state()
+  assert state['process_count'] == 1
+  with pytest.raises(ValueError, match='process_count: saved 2, now 1'):
+    ip.restore_train_iterator(config, mesh, {**state, 'process_count': 2})
 
 
 def test_eval_iterator_yields_every_test_example_once(mesh):

@@ -1,9 +1,14 @@
 """Tests of the Vision Transformer modules, vit_jax/models_vit.py."""
+import contextlib
+import io
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vit_jax import checkpoint
 from vit_jax import models_vit
 from vit_jax import models_resnet
 
@@ -192,3 +197,83 @@ def test_weight_standardisation_gives_zero_mean_unit_std_per_output_channel():
   w = models_resnet.standardize_weight(kernel)
   np.testing.assert_allclose(w.mean(axis=(0, 1, 2)), 0, atol=1e-5)
   np.testing.assert_allclose(w.std(axis=(0, 1, 2)), 1, atol=1e-4)
+
+
+def test_scanned_blocks_give_the_same_logits_from_stacked_params():
+  images = images_of()
+  params = random_params(tiny_vit(), images)
+  scanned_model = tiny_vit(scan_layers=True)
+  shapes = jax.eval_shape(lambda: scanned_model.init(jax.random.key(0), images, train=False))
+  block = shapes['params']['Transformer']['encoderblock']
+  assert block['MlpBlock_0']['Dense_0']['kernel'].shape == (2, 12, 20)  # (L, D, M)
+  assert block['MultiHeadDotProductAttention_0']['query']['kernel'].shape == (2, 12, 3, 4)
+  scanned = checkpoint.scan_blocks(params)
+  assert jax.tree.map(np.shape, scanned) == jax.tree.map(lambda x: x.shape, shapes['params'])
+  np.testing.assert_allclose(scanned_model.apply({'params': scanned}, images, train=False),
+                             tiny_vit().apply({'params': params}, images, train=False),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_blocks_sow_attention_weights_stacked_over_layers():
+  images = images_of()
+  params = random_params(tiny_vit(), images)
+  _, state = tiny_vit().apply({'params': params}, images, train=False, mutable=['intermediates'])
+  _, scanned_state = tiny_vit(scan_layers=True).apply(
+      {'params': checkpoint.scan_blocks(params)}, images, train=False, mutable=['intermediates'])
+  stacked = scanned_state['intermediates']['Transformer']['encoderblock'][
+      'MultiHeadDotProductAttention_0']['attention_weights'][0]
+  assert stacked.shape == (2, 2, 3, 17, 17)  # (L, B, N, T, T)
+  for i in range(2):
+    per_block = state['intermediates']['Transformer'][f'encoderblock_{i}'][
+        'MultiHeadDotProductAttention_0']['attention_weights'][0]
+    np.testing.assert_allclose(stacked[i], per_block, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_remat_gives_the_same_loss_and_gradients_with_dropout(scan_layers):
+  model = tiny_vit(scan_layers=scan_layers, dropout_rate=0.2, attention_dropout_rate=0.2)
+  images = images_of()
+  params = random_params(model, images)
+
+  def loss_and_grads(model):
+    loss = lambda p: jnp.sum(model.apply({'params': p}, images, train=True,
+                                         rngs={'dropout': jax.random.key(1)})**2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  (loss, grads), (remat_loss, remat_grads) = (
+      loss_and_grads(model), loss_and_grads(model.clone(remat_policy='nothing_saveable')))
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  for expected, actual in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def saved_activations(model, params, images):
+  """What the backward pass keeps from the forward pass, besides parameters and constants: one
+  line (shape, operation, source) per array, as jax.ad_checkpoint.print_saved_residuals says."""
+  output = io.StringIO()
+  with contextlib.redirect_stdout(output):
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: model.apply({'params': p}, images, train=False).sum(), params)
+  return [line for line in output.getvalue().splitlines()
+          if 'from the argument' not in line and 'from a constant' not in line]
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_remat_policies_keep_fewer_activations_for_the_backward_pass(scan_layers):
+  images = images_of()
+  params = random_params(tiny_vit(scan_layers=scan_layers), images)
+  kept = {policy: saved_activations(tiny_vit(scan_layers=scan_layers, remat_policy=policy),
+                                    params, images)
+          for policy in (None, 'dots_saveable', 'nothing_saveable')}
+  assert len(kept[None]) > len(kept['dots_saveable']) > len(kept['nothing_saveable'])
+  inside_blocks = lambda lines: [line for line in lines if 'MlpBlock' in line
+                                 or 'MultiHeadDotProductAttention' in line]
+  if not scan_layers:  # (Under scan, everything kept is an output of the scan.)
+    assert inside_blocks(kept[None])
+    assert not inside_blocks(kept['nothing_saveable'])  # Only the blocks' inputs are kept.
+
+
+def test_unknown_remat_policy_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"remat_policy='dots'; choose one of \('nothing_saveable', "
+                                       r"'dots_saveable', .*\), or None"):
+    tiny_vit(remat_policy='dots').init(jax.random.key(0), images_of(), train=False)

@@ -9,21 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import default as default_config
 from configs import models as model_configs
+import tiny_config as tiny_config_file
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
 from vit_jax import train
 
 
 def tiny_config(**overrides):
-  """The default config shrunk to a model and schedule that train in seconds."""
-  config = default_config.get_config()
-  config.model = model_configs.vit('tiny', patch=7, hidden=32, mlp=64, heads=2, layers=1)
-  config.model_name = 'tiny'
-  config.pp.inception_crop = False
-  config.update(dict(batch=64, batch_eval=1000, total_steps=60, warmup_steps=5, base_lr=1e-2,
-                     label_smoothing=0.0, progress_every=20, eval_every=60, checkpoint_every=20))
+  config = tiny_config_file.get_config()
   config.update(overrides)
   return config
 

@@ -9,6 +9,11 @@ files store GroupNorm scale and bias as (1, 1, 1, C) instead of (C,). `load` rea
 into the model's tree; `save` writes the pre-linen numbering that tools reading the published
 files look for.
 
+Models built with `scan_layers=True` hold the blocks as one `Transformer/encoderblock` whose
+leaves are stacked along a leading layer axis. `scan_blocks` and `unscan_blocks` convert between
+the two layouts; `save` always writes the published per-block one, and `load_pretrained` returns
+the layout of the model it is given.
+
 Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
 Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
 line naming the file, or the parameter path with both shapes.
@@ -28,6 +33,8 @@ from flax import traverse_util
 Params = dict[str, Any]
 
 POSEMB_PATH = ('Transformer', 'posembed_input', 'pos_embedding')
+SCANNED_BLOCKS = ('Transformer', 'encoderblock')
+BLOCK_PREFIX = 'encoderblock_'
 # Spline orders of scipy.ndimage.zoom.
 POSEMB_METHODS = {'bilinear': 1, 'bicubic': 3}
 TOKEN_CLASSIFIERS = ('token', 'token_unpooled')
@@ -82,8 +89,67 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 
 def _rename_block_modules(path: tuple[str, ...], names: dict[str, str]) -> tuple[str, ...]:
   """Renames, by `names`, the module right below each `encoderblock_{i}` of a parameter path."""
-  return tuple(names.get(name, name) if i and path[i - 1].startswith('encoderblock_') else name
+  return tuple(names.get(name, name) if i and path[i - 1].startswith(BLOCK_PREFIX) else name
                for i, name in enumerate(path))
+
+
+def _block_number(path: tuple[str, ...]) -> Optional[int]:
+  """i for a path under `Transformer/encoderblock_{i}`, None for any other path."""
+  if len(path) > 2 and path[0] == 'Transformer' and path[1].startswith(BLOCK_PREFIX):
+    suffix = path[1][len(BLOCK_PREFIX):]
+    return int(suffix) if suffix.isdigit() else None
+  return None
+
+
+def is_scanned(params: Params) -> bool:
+  """Whether `params` hold the encoder blocks in the scanned layout (`Transformer/encoderblock`)."""
+  return SCANNED_BLOCKS[1] in params.get('Transformer', {})
+
+
+def scan_blocks(params: Params) -> Params:
+  """Per-block params -> the layout of a model built with `scan_layers=True`.
+
+  Each leaf `Transformer/encoderblock/X` is the numpy stack, (L, ...), of the L leaves
+  `Transformer/encoderblock_{i}/X`; all other leaves are kept as they are (params already
+  scanned come back unchanged). A CheckpointError names a leaf that the blocks do not all have,
+  or have with different shapes.
+  """
+  by_leaf = {}
+  scanned = {}
+  for path, value in traverse_util.flatten_dict(params).items():
+    i = _block_number(path)
+    if i is None:
+      scanned[path] = value
+    else:
+      by_leaf.setdefault(path[2:], {})[i] = value
+  num_layers = 1 + max((i for layers in by_leaf.values() for i in layers), default=-1)
+  for leaf, layers in by_leaf.items():
+    name = f'Transformer/{BLOCK_PREFIX}{{i}}/{"/".join(leaf)}'
+    if len(layers) != num_layers:
+      raise CheckpointError(f'{name} is in blocks {sorted(layers)} only, not in all '
+                            f'{num_layers}: the blocks cannot be stacked into one scanned layer.')
+    shapes = sorted({np.shape(v) for v in layers.values()})
+    if len(shapes) > 1:
+      raise CheckpointError(f'{name} has shapes {shapes} in different blocks: the blocks '
+                            'cannot be stacked into one scanned layer.')
+    scanned[SCANNED_BLOCKS + leaf] = np.stack([np.asarray(layers[i]) for i in range(num_layers)])
+  return traverse_util.unflatten_dict(scanned)
+
+
+def unscan_blocks(params: Params) -> Params:
+  """The scanned layout (see `scan_blocks`) -> the published per-block one.
+
+  Leaf `Transformer/encoderblock/X` of shape (L, ...) becomes the L numpy leaves
+  `Transformer/encoderblock_{i}/X`; all other leaves, and per-block params, are kept as they are.
+  """
+  unscanned = {}
+  for path, value in traverse_util.flatten_dict(params).items():
+    if path[:2] != SCANNED_BLOCKS:
+      unscanned[path] = value
+      continue
+    for i, layer in enumerate(np.asarray(value)):
+      unscanned[('Transformer', f'{BLOCK_PREFIX}{i}', *path[2:])] = layer
+  return traverse_util.unflatten_dict(unscanned)
 
 
 def _squeeze_group_norm(path: tuple[str, ...], value: np.ndarray) -> np.ndarray:
@@ -113,13 +179,13 @@ def save(params: Params, path, *, linen_names: bool = False) -> None:
 
   Encoder blocks get the pre-linen numbering of the published files
   (`MultiHeadDotProductAttention_1`, `LayerNorm_2`, `MlpBlock_3`), or with `linen_names=True`
-  the model's own. Local files are written to a temporary file first and then renamed, so a
-  crash never leaves half a file.
+  the model's own; scanned params are written per block (`unscan_blocks`). Local files are
+  written to a temporary file first and then renamed, so a crash never leaves half a file.
   """
   path = os.fspath(path)
   names = {} if linen_names else _LINEN_TO_PRE_LINEN
   arrays = {'/'.join(_rename_block_modules(p, names)): np.asarray(v)
-            for p, v in traverse_util.flatten_dict(params).items()}
+            for p, v in traverse_util.flatten_dict(unscan_blocks(params)).items()}
   if _is_url(path):
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -227,9 +293,15 @@ def check_matches(params: Params, reference: Params, *, source: str) -> None:
   """Raises a CheckpointError unless `params` has the paths and shapes of `reference`.
 
   `reference` may hold arrays or jax.ShapeDtypeStructs (e.g. vit_jax.models.param_shapes).
-  The message names `source` and every mismatching path with its shapes.
+  Either may be scanned: both are compared in the per-block layout. The message names `source`
+  and every mismatching path with its shapes.
   """
-  _check_flat(traverse_util.flatten_dict(params), traverse_util.flatten_dict(reference), source)
+  # Zero-stride stand-ins take no memory and, unlike ShapeDtypeStructs, can be unscanned.
+  stand_ins = {p: np.broadcast_to(np.zeros((), x.dtype), x.shape)
+               for p, x in traverse_util.flatten_dict(reference).items()}
+  reference = unscan_blocks(traverse_util.unflatten_dict(stand_ins))
+  _check_flat(traverse_util.flatten_dict(unscan_blocks(params)),
+              traverse_util.flatten_dict(reference), source)
 
 
 def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_token: bool,
@@ -260,12 +332,13 @@ def load_pretrained(path, init_params: Params, model_config, *,
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
     e.g. (384 // 16, 512 // 16).
   Anything else must match `init_params` path by path and shape by shape, or a CheckpointError
-  lists what differs. Returns a nested dict of numpy arrays with exactly init_params's
-  structure, shapes and dtypes.
+  lists what differs, in the per-block layout of the file. Returns a nested dict of numpy
+  arrays with exactly init_params's structure, shapes and dtypes, scanned when init_params is
+  (`scan_blocks`).
   """
   source = os.fspath(path)
-  restored = traverse_util.flatten_dict(load(source))
-  target = traverse_util.flatten_dict(init_params)
+  restored = traverse_util.flatten_dict(unscan_blocks(load(source)))
+  target = traverse_util.flatten_dict(unscan_blocks(init_params))
   if model_config.get('representation_size') is None:
     restored = {p: v for p, v in restored.items() if p[0] != 'pre_logits'}
   restored = {p: v for p, v in restored.items() if p[0] != 'head'}
@@ -278,5 +351,6 @@ def load_pretrained(path, init_params: Params, model_config, *,
                                         has_class_token=has_class_token, grid=grid,
                                         method=posemb_method)
   _check_flat(restored, target, source)
-  return traverse_util.unflatten_dict(
+  params = traverse_util.unflatten_dict(
       {p: np.asarray(restored[p], dtype=target[p].dtype) for p in target})
+  return scan_blocks(params) if is_scanned(init_params) else params

@@ -3,14 +3,23 @@
 Sources (`config.dataset`, see `input_pipeline_sources.py`): `'fashion_mnist_embedded'` (ships with
 the package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,jpeg,png}`, or a tfds name.
 
-Order. Each process reads its contiguous share of the split and walks through it epoch after epoch,
-each epoch in an order drawn from `(config.seed, process, epoch)`; the random augmentation of the
-example at position `q` of a process's stream is drawn from `(config.seed, process, q)`. The batch
-at step `n` is therefore a function of the seed and `n`: `get_train_iterator(..., start_step=n)`
-skips `n * local_batch` undecoded records and yields exactly what an uninterrupted run yields from
-step `n` on. Image folders and the embedded data are permuted exactly; tfds shares are shuffled
-with a buffer of `config.shuffle_buffer` records, and a restore reads (without decoding) at most one
-epoch of the share.
+Order. Training examples come from an endless stream of epochs, each epoch in an order drawn from
+the seed and the epoch number; the random augmentation of the example at position `g` of the
+stream is drawn from the seed and `g`, and the stream's batch `n` is positions `[n*b, (n+1)*b)`.
+`get_train_iterator(..., start_step=n)` skips `n*b` undecoded records (at most one epoch of them is
+read) and yields exactly what an uninterrupted run yields from step `n` on.
+  * The embedded data and image folders (sources with random access): one stream, of the whole
+    split, permuted exactly, keyed by `(config.seed, epoch)` and `(config.seed, g)`, with
+    b = config.batch. Every process walks the stream's undecoded records and decodes only its rows
+    `[p*b/P, (p+1)*b/P)` of each batch (process p of P), so the global batch at step `n` depends on
+    the seed and `n` alone: 2 processes of 4 devices train on the same batches as 1 of 8, and a run
+    may resume with another number of processes. The rows assemble into the global batch because
+    the mesh's `data` axis holds the devices in process order, as `jax.devices()` does.
+  * tfds datasets (read sequentially): one stream per process, of its contiguous share of the
+    split (`tfds.even_splits`), shuffled with a buffer of `config.shuffle_buffer` records, keyed by
+    `(config.seed, p, epoch)` and `(config.seed, p, g)`, with b = config.batch / P. The global
+    batch depends on the number of processes, so the iterator state records it and a restore
+    checks it.
 
 Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-style random crop
 (5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
@@ -30,7 +39,7 @@ import tensorflow as tf
 from vit_jax import input_pipeline_sources as sources
 
 EMBEDDED_DATASET = sources.EMBEDDED_DATASET
-INCEPTION_AREA_RANGE = (0.05, 1.0)
+INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.
 INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
 _ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
 _FOREVER = 2**62  # Number of training epochs.
@@ -89,18 +98,20 @@ def central_crop(image: tf.Tensor, size: int) -> tf.Tensor:
   return tf.image.resize_with_crop_or_pad(image, size, size)
 
 
-def inception_crop(image: tf.Tensor, key: tf.Tensor) -> tf.Tensor:
-  """A random crop of 5%-100% of the area with aspect ratio in [3/4, 4/3] (Szegedy et al. 2015).
+def inception_crop(image: tf.Tensor, key: tf.Tensor,
+                   area_min: float = INCEPTION_AREA_MIN) -> tf.Tensor:
+  """A random crop of `area_min`-100% of the area, aspect ratio in [3/4, 4/3] (Szegedy et al.).
 
   Args:
     image: (height, width, channels).
     key: int64 (2,) stateless random key.
+    area_min: the smallest fraction of the image's area a crop may cover.
   Returns:
     (crop_height, crop_width, channels), same dtype.
   """
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
       tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=key, min_object_covered=0,
-      area_range=INCEPTION_AREA_RANGE, aspect_ratio_range=INCEPTION_ASPECT_RANGE,
+      area_range=(area_min, 1.0), aspect_ratio_range=INCEPTION_ASPECT_RANGE,
       use_image_if_no_bounding_boxes=True)
   return tf.slice(image, begin, size)
 
@@ -109,7 +120,7 @@ def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
   """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`."""
   crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
   if pp.get('inception_crop', True):
-    image = inception_crop(image, crop_key)
+    image = inception_crop(image, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
   image = resize(image, pp.crop)
   if pp.get('flip', True):
     image = tf.image.stateless_random_flip_left_right(image, flip_key)
@@ -135,9 +146,12 @@ def _check_pp(pp):
 # Order.
 
 
-def random_key(seed: int, process_index: int, purpose: int, n: tf.Tensor) -> tf.Tensor:
-  """The stateless random key (int64 (2,)) for epoch or position `n` of a process's stream."""
-  key = tf.constant([seed, process_index], tf.int64)
+def random_key(seed: int, stream: int, purpose: int, n: tf.Tensor) -> tf.Tensor:
+  """The stateless random key (int64 (2,)) for epoch or position `n` of a stream.
+
+  `stream` is 0 for the one stream of a random-access source, the process index for tfds.
+  """
+  key = tf.constant([seed, stream], tf.int64)
   key = tf.random.experimental.stateless_fold_in(key, purpose)
   return tf.random.experimental.stateless_fold_in(key, n)
 
@@ -154,8 +168,9 @@ def local_batch_size(config, field: str, process_count: int) -> int:
 def _shard(source, split: str, process_index: int, process_count: int) -> sources.Shard:
   shard = source.shard(split, process_index, process_count)
   if not shard.num_examples:
-    raise ValueError(f'Split {split!r} of {source.name!r} leaves no examples to process '
-                     f'{process_index} of {process_count}: use a larger split.')
+    share = f' for process {process_index} of {process_count}' if process_count > 1 else ''
+    raise ValueError(f'Split {split!r} of {source.name!r} has no examples{share}: use a larger '
+                     'split.')
   return shard
 
 
@@ -169,19 +184,31 @@ def train_dataset(config, *, process_index: int, process_count: int,
   """
   _check_pp(config.pp)
   batch = local_batch_size(config, 'batch', process_count)
-  shard = _shard(sources.get_source(config), config.train_split, process_index, process_count)
-  first_epoch, offset = divmod(start_step * batch, shard.num_examples)
+  source = sources.get_source(config)
+  if source.random_access:  # One stream of global batches; this process takes its rows of each.
+    shard = _shard(source, config.train_split, 0, 1)
+    stream, stream_batch, first_row = 0, config.batch, process_index * batch
+  else:  # A stream of local batches from this process's share.
+    shard = _shard(source, config.train_split, process_index, process_count)
+    stream, stream_batch, first_row = process_index, batch, 0
+  first_position = start_step * stream_batch
+  first_epoch, offset = divmod(first_position, shard.num_examples)
 
   def epoch(n):
-    return shard.epoch(random_key(config.seed, process_index, _ORDER, n))
+    return shard.epoch(random_key(config.seed, stream, _ORDER, n))
+
+  def is_own_row(position, record):
+    del record
+    row = position % stream_batch
+    return (row >= first_row) & (row < first_row + batch)
 
   def preprocess(position, record):
-    key = random_key(config.seed, process_index, _AUGMENT, position)
+    key = random_key(config.seed, stream, _AUGMENT, position)
     image = preprocess_train(shard.decode(record['image']), key, config.pp)
     return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch).skip(offset)
-  examples = records.enumerate(start=start_step * batch).map(
+  examples = records.enumerate(start=first_position).filter(is_own_row).map(
       preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return examples.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
@@ -243,6 +270,23 @@ def eval_batches(config, *, process_index: int = 0, process_count: int = 1) -> I
 # Devices.
 
 
+def _check_process_rows(sharding: NamedSharding, global_batch: int):
+  """Checks that this process's devices hold the rows of a global batch its pipeline reads.
+
+  Process p of P reads rows [p*b, (p+1)*b) of each global batch, b = global_batch / P.
+  """
+  rows = {row for index in sharding.addressable_devices_indices_map((global_batch,)).values()
+          for row in range(global_batch)[index[0]]}
+  batch = global_batch // jax.process_count()
+  first = jax.process_index() * batch
+  if rows != set(range(first, first + batch)):
+    raise ValueError(
+        f'The devices of process {jax.process_index()} hold rows {min(rows)}-{max(rows)} of each '
+        f'global batch of {global_batch}, but its input pipeline reads rows {first}-'
+        f'{first + batch - 1}: build the mesh from jax.devices() in their order, with each '
+        "process's devices in consecutive rows of the 'data' axis.")
+
+
 def _data_sharding(mesh: jax.sharding.Mesh, global_batch: int, field: str) -> NamedSharding:
   """Sharding of a batch along the mesh's `data` axis, checking that the batch divides."""
   if 'data' not in mesh.shape:
@@ -252,7 +296,9 @@ def _data_sharding(mesh: jax.sharding.Mesh, global_batch: int, field: str) -> Na
     raise ValueError(f'config.{field}={global_batch} is not divisible by the {mesh.shape["data"]} '
                      f"devices of the mesh's 'data' axis: make it a multiple of "
                      f'{mesh.shape["data"]}.')
-  return NamedSharding(mesh, P('data'))
+  sharding = NamedSharding(mesh, P('data'))
+  _check_process_rows(sharding, global_batch)
+  return sharding
 
 
 def _to_global(batch: Batch, sharding: NamedSharding, process_count: int) -> Batch:
@@ -274,6 +320,14 @@ def prefetch_to_mesh(batches: Iterator[Batch], sharding: NamedSharding,
   yield from queue
 
 
+def _order_settings(config) -> dict[str, Any]:
+  """The settings the training order depends on: a resumed run must have the same."""
+  settings = {field: config[field] for field in _ORDER_FIELDS}
+  if not sources.get_source(config).random_access:  # Each process shuffles its own tfds share.
+    settings['process_count'] = jax.process_count()
+  return settings
+
+
 class TrainIterator:
   """Global training batches; `get_state()` is what `restore_train_iterator` resumes from.
 
@@ -286,8 +340,7 @@ class TrainIterator:
     local_batches = train_batches(config, process_index=jax.process_index(),
                                   process_count=jax.process_count(), start_step=start_step)
     self._batches = prefetch_to_mesh(local_batches, sharding, config.get('prefetch', 2))
-    self._order = {field: config[field] for field in _ORDER_FIELDS}
-    self._order['process_count'] = jax.process_count()
+    self._order = _order_settings(config)
     self._step = start_step
 
   def __iter__(self):
@@ -299,7 +352,10 @@ class TrainIterator:
     return batch
 
   def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable: the next step and the settings the order depends on."""
+    """JSON-serialisable: the next step and the settings the order depends on.
+
+    `{'step', 'dataset', 'train_split', 'seed', 'batch'}`, plus `'process_count'` for tfds.
+    """
     return {'step': self._step, **self._order}
 
 
@@ -311,8 +367,7 @@ def get_train_iterator(config, mesh: jax.sharding.Mesh, *, start_step: int = 0) 
 def restore_train_iterator(config, mesh: jax.sharding.Mesh,
                            state: dict[str, Any]) -> TrainIterator:
   """Continues from `TrainIterator.get_state()`, after checking that the order is unchanged."""
-  current = {field: config[field] for field in _ORDER_FIELDS}
-  current['process_count'] = jax.process_count()
+  current = _order_settings(config)
   changed = [f'{field}: saved {state.get(field)!r}, now {value!r}'
              for field, value in current.items() if state.get(field) != value]
   if changed:

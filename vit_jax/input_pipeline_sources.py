@@ -1,10 +1,12 @@
 """Where images come from: the embedded dataset, image folders and tfds datasets.
 
 Every source turns a split string (`'train'`, `'train[:98%]'`, `'test'`) into `Shard`s: one
-process's share of the split as a tf.data pipeline of undecoded records, plus the function that
-decodes a record's image. Records are cheap to produce and to skip (an array index, a file path, or
-the encoded bytes of a tfds example), so that a resumed run skips to its step before decoding.
-`input_pipeline.py` turns shards into preprocessed batches.
+process's share of the split (the whole split is the share of process 0 of 1) as a tf.data
+pipeline of undecoded records, plus the function that decodes a record's image. Records are cheap
+to produce and to skip (an array index, a file path, or the encoded bytes of a tfds example), so
+that a resumed run skips to its step before decoding. Sources with `random_access` (arrays and
+image folders) permute a share exactly; tfds shards are read in file order and shuffled with a
+buffer. `input_pipeline.py` turns shards into preprocessed batches.
 """
 import dataclasses
 import functools
@@ -26,7 +28,7 @@ _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-  """One process's share of a split.
+  """One process's share of a split, or the whole split.
 
   Attributes:
     num_examples: number of examples in the share.
@@ -69,6 +71,7 @@ class ArraySource:
   Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
   paths for image folders. The epoch order is a stateless permutation of the share.
   """
+  random_access = True
 
   def __init__(self, name: str, label_names: list[str],
                load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
@@ -247,7 +250,11 @@ class FolderSource(ArraySource):
 
 
 class TfdsSource:
-  """A tfds image classification dataset with features `image` and `label`."""
+  """A tfds image classification dataset with features `image` and `label`.
+
+  Read sequentially: a process reads its own share (`tfds.even_splits`), shuffled with a buffer.
+  """
+  random_access = False
 
   def __init__(self, name: str, data_dir: Optional[str], manual_dir: Optional[str],
                shuffle_buffer: int):

@@ -20,6 +20,13 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
 config_flags.DEFINE_config_file(
     'config', DEFAULT_CONFIG, 'Config file, optionally with an argument: configs/vit.py:b16,cifar10',
     lock_config=True)
+flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
+                    'host:port of process 0, for multi-process runs that JAX does not detect '
+                    'by itself (env JAX_COORDINATOR_ADDRESS).')
+flags.DEFINE_integer('num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 0)) or None,
+                     'Number of processes (env JAX_NUM_PROCESSES).')
+flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
+                     'This process\'s index (env JAX_PROCESS_ID).')
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
                     'holding a checkpoint resumes from it. Default: a fresh folder under '
                     './workdirs.')
@@ -31,10 +38,27 @@ def fresh_workdir() -> str:
                           'workdirs')
 
 
+# Variables by which clusters that jax.distributed.initialize() detects by itself announce
+# more than one process (Slurm, Open MPI, multi-host TPU slices).
+CLUSTER_SIZE_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+
+
+def initialize_distributed():
+  """Starts JAX's multi-process runtime when this is one of several processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if flags.FLAGS.coordinator_address:
+    jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                               flags.FLAGS.process_id)
+  elif (any(int(os.environ.get(v, 1)) > 1 for v in CLUSTER_SIZE_VARIABLES)
+        or ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '')):
+    jax.distributed.initialize()
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.getLogger().setLevel(logging.INFO)
+  initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after flags: it imports jax)
   workdir = flags.FLAGS.workdir or fresh_workdir()
   logging.info('Workdir: %s', os.path.abspath(workdir))
@@ -42,6 +66,8 @@ def main(argv):
     metrics = train.train_and_evaluate(flags.FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'Config error: {e}')
+  except train.NonFiniteError as e:
+    sys.exit(f'Training stopped: {e}')
   logging.info('Done: %s', ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())))
 
 

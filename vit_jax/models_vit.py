@@ -7,7 +7,8 @@ The parameter tree is the one of the published checkpoints:
 `embedding`, `cls`, `Transformer/posembed_input/pos_embedding`,
 `Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0}`,
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
-`conv_root`, `gn_root`, `block{i}/unit{j}/...`.
+`conv_root`, `gn_root`, `block{i}/unit{j}/...`. With `scan_layers=True` the blocks are instead
+one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
 """
 import math
 from typing import Any, Callable, Optional, Sequence
@@ -20,6 +21,8 @@ from vit_jax import models_resnet
 
 Dtype = Any
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
+REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
+                  'everything_saveable')
 LAYERNORM_EPS = 1e-6
 
 
@@ -104,13 +107,24 @@ class DenseGeneralParams(nn.Module):
     return kernel, self.param('bias', nn.initializers.zeros, self.out_shape)
 
 
+def _cudnn_attention(dtype, head_size: int) -> bool:
+  """Whether jax.nn.dot_product_attention can run cuDNN's fused attention on these inputs:
+  on a GPU, in 16-bit floats, with a head size that is a multiple of 8 up to 128."""
+  return (jax.default_backend() == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_size % 8 == 0 and head_size <= 128)
+
+
 class MultiHeadDotProductAttention(nn.Module):
   """Multi-head self-attention (Eq. 2's MSA): (B, T, D) -> (B, T, D).
 
   Parameters as in flax: `query|key|value/kernel` (D, N, K), `.../bias` (N, K),
-  `out/kernel` (N, K, D), `out/bias` (D,). The three input projections run as one product.
-  When the caller makes `intermediates` mutable, the attention weights (B, N, T, T) are
-  sown as `attention_weights` (used by the visualisations).
+  `out/kernel` (N, K, D), `out/bias` (D,). The three input projections run as one product,
+  with the query's 1/sqrt(K) folded into its kernel and bias, and give heads-major
+  (B, N, T, K) values, so that both attention products are batched over leading (B, N) without
+  transposes (what XLA's CPU backend runs fastest). On a GPU in 16-bit floats the attention is
+  cuDNN's fused kernel, through jax.nn.dot_product_attention. When the caller makes
+  `intermediates` mutable, the attention weights (B, N, T, T) are sown as `attention_weights`
+  (used by the visualisations).
   """
   num_heads: int
   dropout_rate: float = 0.0
@@ -124,23 +138,27 @@ class MultiHeadDotProductAttention(nn.Module):
     n, k = self.num_heads, d // self.num_heads
     in_params = [DenseGeneralParams((d,), (n, k), name=name)() for name in
                  ('query', 'key', 'value')]
-    qkv_kernel = jnp.stack([w for w, _ in in_params], axis=1).astype(self.dtype)  # (D, 3, N, K)
-    qkv_bias = jnp.stack([b for _, b in in_params]).astype(self.dtype)  # (3, N, K)
-    qkv = jnp.einsum('btd,dsnk->sbtnk', x.astype(self.dtype), qkv_kernel) + qkv_bias[:, None, None]
-    q, key, value = qkv
+    scale = jnp.array([1 / math.sqrt(k), 1, 1])[:, None, None]  # Query, key, value.
+    qkv_kernel = (jnp.stack([w for w, _ in in_params], axis=1) * scale).astype(self.dtype)
+    qkv_bias = (jnp.stack([b for _, b in in_params]) * scale).astype(self.dtype)  # (3, N, K)
+    qkv = jnp.einsum('btd,dsnk->sbntk', x.astype(self.dtype), qkv_kernel)
+    q, key, value = qkv + qkv_bias[:, None, :, None]  # Each (B, N, T, K).
 
     use_dropout = self.dropout_rate > 0 and not deterministic
-    if use_dropout or self.is_mutable_collection('intermediates'):
-      logits = jnp.einsum('bqnk,btnk->bnqt', q, key) / jnp.sqrt(k).astype(self.dtype)
+    if (use_dropout or self.is_mutable_collection('intermediates')
+        or not _cudnn_attention(self.dtype, k)):
+      logits = jnp.einsum('bnqk,bntk->bnqt', q, key)
       weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
       self.sow('intermediates', 'attention_weights', weights)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
-      y = jnp.einsum('bnqt,btnk->bqnk', weights, value)
+      y = jnp.einsum('bnqt,bntk->bnqk', weights, value)
     else:
-      y = jax.nn.dot_product_attention(q, key, value)
+      y = jax.nn.dot_product_attention(
+          *(a.swapaxes(1, 2) for a in (q, key, value)), scale=1.0,
+          implementation='cudnn').swapaxes(1, 2)
 
     out_kernel, out_bias = DenseGeneralParams((n, k), (d,), name='out')()
-    return jnp.einsum('bqnk,nkd->bqd', y, out_kernel.astype(self.dtype)) + out_bias.astype(
+    return jnp.einsum('bnqk,nkd->bqd', y, out_kernel.astype(self.dtype)) + out_bias.astype(
         self.dtype)
 
 
@@ -154,7 +172,7 @@ class Encoder1DBlock(nn.Module):
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, inputs, *, deterministic):
+  def __call__(self, inputs, deterministic):
     x = _layer_norm(self.dtype)(inputs)
     x = MultiHeadDotProductAttention(
         self.num_heads, self.attention_dropout_rate, self.dtype)(x, deterministic=deterministic)
@@ -166,8 +184,32 @@ class Encoder1DBlock(nn.Module):
     return x + y
 
 
+class _ScanStep(Encoder1DBlock):
+  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic) -> (x, None), same parameters."""
+
+  def __call__(self, inputs, deterministic):
+    return super().__call__(inputs, deterministic), None
+
+
+def checkpoint_policy(name: str) -> Callable[..., bool]:
+  """The `jax.checkpoint_policies` member `name`: which of a block's values the backward pass
+  keeps instead of recomputing ('nothing_saveable' keeps only the block's input)."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy={name!r}; choose one of {REMAT_POLICIES}, or None for no '
+                     'rematerialisation.')
+  return getattr(jax.checkpoint_policies, name)
+
+
 class Encoder(nn.Module):
-  """Position embeddings, dropout, `num_layers` blocks and the final LayerNorm: (B,T,D) -> (B,T,D)."""
+  """Position embeddings, dropout, `num_layers` blocks and the final LayerNorm: (B,T,D) -> (B,T,D).
+
+  `scan_layers` runs the blocks as one `nn.scan`, so that compilation does not grow with depth;
+  their parameters are then those of one block, `encoderblock`, with a leading axis of size
+  num_layers on every leaf (vit_jax.checkpoint.scan_blocks / unscan_blocks convert), and sown
+  attention weights are stacked likewise: `encoderblock/.../attention_weights` is
+  ((L, B, N, T, T),). `remat_policy` (a name of REMAT_POLICIES) rematerialises each block under
+  that `jax.checkpoint` policy: the backward pass recomputes what the policy does not save.
+  """
   num_layers: int
   mlp_dim: int
   num_heads: int
@@ -175,15 +217,32 @@ class Encoder(nn.Module):
   attention_dropout_rate: float = 0.0
   approximate_gelu: bool = True
   dtype: Dtype = jnp.float32
+  scan_layers: bool = False
+  remat_policy: Optional[str] = None
+
+  def remat(self, block_class):
+    """`block_class`, rematerialised under `remat_policy` when one is set."""
+    if self.remat_policy is None:
+      return block_class
+    # In scan's loop XLA cannot fold the recomputation back into the forward pass: no CSE guard.
+    return nn.remat(block_class, policy=checkpoint_policy(self.remat_policy),
+                    prevent_cse=not self.scan_layers, static_argnums=(2,))
 
   @nn.compact
   def __call__(self, x, *, train):
     x = AddPositionEmbs(name='posembed_input')(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-    for i in range(self.num_layers):
-      x = Encoder1DBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
-                         self.attention_dropout_rate, self.approximate_gelu, self.dtype,
-                         name=f'encoderblock_{i}')(x, deterministic=not train)
+    block_fields = (self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate,
+                    self.approximate_gelu, self.dtype)
+    if self.scan_layers:
+      blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
+                       split_rngs={'params': True, 'dropout': True}, in_axes=nn.broadcast,
+                       length=self.num_layers)
+      x, _ = blocks(*block_fields, name='encoderblock')(x, not train)
+    else:
+      block = self.remat(Encoder1DBlock)
+      for i in range(self.num_layers):
+        x = block(*block_fields, name=f'encoderblock_{i}')(x, not train)
     return _layer_norm(self.dtype, name='encoder_norm')(x)
 
 
@@ -209,6 +268,8 @@ class VisionTransformer(nn.Module):
   head_bias_init: float = 0.0
   approximate_gelu: bool = True
   dtype: Dtype = jnp.float32
+  scan_layers: bool = False  # The blocks as one nn.scan; parameters at Transformer/encoderblock.
+  remat_policy: Optional[str] = None  # A REMAT_POLICIES name: rematerialise each block.
 
   def check_images(self, images):
     """Raises a ValueError, naming the sizes, for images the model cannot cut into patches."""
@@ -247,7 +308,7 @@ class VisionTransformer(nn.Module):
 
     x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, self.dropout_rate,
                 self.attention_dropout_rate, self.approximate_gelu, self.dtype,
-                name='Transformer')(x, train=train)
+                self.scan_layers, self.remat_policy, name='Transformer')(x, train=train)
 
     if self.classifier == 'token':
       x = x[:, 0]

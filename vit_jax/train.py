@@ -4,10 +4,10 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
-import json
 import logging
-import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -15,6 +15,7 @@ from clu import metric_writers
 import flax
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
@@ -25,12 +26,17 @@ from vit_jax import checkpoint
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
+from vit_jax import sharding
 
 Batch = dict[str, jax.Array]
 
 
 class ConfigError(ValueError):
   """A config value that cannot work; the message is one line naming the field and the fix."""
+
+
+class NonFiniteError(RuntimeError):
+  """The loss or gradient stopped being finite; no checkpoint of that state was written."""
 
 
 @flax.struct.dataclass
@@ -76,7 +82,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
-                         ('dtype', ('float32', 'bfloat16'))):
+                         ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES)):
     if config[field] not in choices:
       raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
   if config.pretrained_path and not os.path.exists(config.pretrained_path) and '://' not in (
@@ -122,11 +128,6 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
   return optax.softmax_cross_entropy(logits, targets)
 
 
-def state_sharding(abstract_state: TrainState, mesh: Mesh) -> TrainState:
-  """Every leaf of the train state replicated over the mesh."""
-  return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_state)
-
-
 def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
                        params: Any = None) -> tuple[TrainState, TrainState]:
   """(state, its shardings), initialised on the devices; `params` replaces the fresh ones."""
@@ -138,7 +139,8 @@ def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
                       opt_state=optimizer.init(new_params), rng=jax.random.fold_in(rng, 1))
 
   rng = jax.random.PRNGKey(config.seed)
-  shardings = state_sharding(jax.eval_shape(init, rng), mesh)
+  shardings = sharding.state_shardings(jax.eval_shape(init, rng), mesh, config.sharding,
+                                       config.logical_axis_rules)
   return jax.jit(init, out_shardings=shardings)(rng), shardings
 
 
@@ -185,11 +187,16 @@ def make_train_step(model, optimizer, config) -> Callable[[TrainState, Batch], t
   def train_step(state: TrainState, batch: Batch):
     rng = jax.random.fold_in(state.rng, state.step)
     loss, grads = loss_and_grads(state.params, batch, rng)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {'train_loss': loss, 'grad_norm': optax.tree.norm(grads),
-               'learning_rate': schedule(state.step)}
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step leaves params and optimiser state as they were (the loop then stops).
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    metrics = {'train_loss': loss, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
+               'finite': finite}
+    return new_state, metrics
 
   return train_step
 
@@ -308,20 +315,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info('%s: %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
                config.model_name, flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
 
+  preemption = PreemptionWatcher()
+  try:
+    state, last_metrics = run_steps(config, state, train_step, eval_step, train_iter, mesh,
+                                    writer, manager, preemption, flops_per_image / peak_flops)
+  finally:
+    preemption.close()
+    manager.wait_until_finished()
+    writer.flush()
+  if 'preempted_at_step' not in last_metrics and is_main:
+    export_path = os.path.join(workdir, 'model.npz')
+    checkpoint.save(jax.device_get(state.params), export_path)
+    logging.info('Wrote the final params to %s.', export_path)
+  return last_metrics
+
+
+def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, manager,
+              preemption, flops_per_image_over_peak):
+  """The step loop, from `state.step` to `config.total_steps` or a preemption.
+
+  Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM.
+  """
   first_step = int(state.step)
   last_metrics = {}
   timer_start, timer_step = time.perf_counter(), first_step
+  previous = None
   for step in range(first_step + 1, config.total_steps + 1):
     state, metrics = train_step(state, next(train_iter))
+    if previous is not None:  # Checked one step late, so the host does not wait on each step.
+      check_finite(*previous)
+    previous = (step, metrics)
     if step == first_step + 1:  # Leave compilation out of the throughput.
       jax.block_until_ready(state)
       timer_start, timer_step = time.perf_counter(), step
     if step % config.progress_every == 0 or step == config.total_steps:
+      check_finite(step, metrics)
       metrics = jax.device_get(metrics)
+      del metrics['finite']
       elapsed = time.perf_counter() - timer_start
       images_per_second = (step - timer_step) * config.batch / elapsed
       metrics.update(images_per_second=images_per_second,
-                     mfu=images_per_second * flops_per_image / peak_flops)
+                     mfu=images_per_second * flops_per_image_over_peak)
       writer.write_scalars(step, metrics)
       eta = (config.total_steps - step) * elapsed / (step - timer_step)
       logging.info('step %d/%d: loss %.4f, %.0f img/s, MFU %.3f, ETA %s', step,
@@ -337,16 +371,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                    eval_metrics['test_accuracy'], eval_metrics['test_loss'])
       last_metrics.update(eval_metrics)
       timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
-    if step % config.checkpoint_every == 0 or step == config.total_steps:
+    preempted = preemption.reached(step)
+    if preempted or step % config.checkpoint_every == 0 or step == config.total_steps:
+      check_finite(step, metrics)
       save_checkpoint(manager, state, train_iter.get_state())
+    if preempted:
+      logging.warning('Preempted at step %d (SIGTERM): wrote a checkpoint; run the same command '
+                      'again to resume.', step)
+      return state, {**last_metrics, 'preempted_at_step': step}
+  return state, last_metrics
 
-  manager.wait_until_finished()
-  writer.flush()
-  if is_main:
-    export_path = os.path.join(workdir, 'model.npz')
-    checkpoint.save(jax.device_get(state.params), export_path)
-    logging.info('Wrote the final params to %s.', export_path)
-  return last_metrics
+
+def check_finite(step: int, metrics: dict) -> None:
+  """Raises NonFiniteError, naming the step, if that step's loss or gradient was not finite."""
+  if not bool(metrics['finite']):
+    loss, grad_norm = float(metrics['train_loss']), float(metrics['grad_norm'])
+    raise NonFiniteError(
+        f'Non-finite loss or gradient at step {step} (loss {loss}, gradient norm {grad_norm}); '
+        'stopped without checkpointing that state. Lower config.base_lr, lengthen '
+        'config.warmup_steps or check the data, then resume from the last checkpoint.')
+
+
+class PreemptionWatcher:
+  """Notices SIGTERM, the way TPU VMs and cluster schedulers announce a preemption.
+
+  With one process a SIGTERM handler sets a flag; with several, JAX's distributed runtime
+  (which listens for SIGTERM) makes every process agree on the same step to stop at.
+  """
+
+  def __init__(self):
+    self.signalled = False
+    self._previous = None
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self.signalled = True
+
+  def reached(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signalled
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
 
 def load_pretrained_params(config, model):
