@@ -264,3 +264,87 @@ def test_model_overrides_are_recorded_next_to_the_checkpoint(tmp_path):
   (tmp_path / 'model.overrides.json').write_text('{"approximate')
   with pytest.raises(ValueError, match=r'model.overrides.json is not a model-overrides record'):
     checkpoint.load_model_overrides(path)
+
+
+def test_scan_then_unscan_is_exact():
+  params = random_params(models_vit.VisionTransformer(num_classes=5, **{**TINY, 'num_layers': 3}),
+                         (16, 16))
+  scanned = checkpoint.scan_blocks(params)
+  assert checkpoint.is_scanned(scanned) and not checkpoint.is_scanned(params)
+  assert not any(name.startswith('encoderblock_') for name in scanned['Transformer'])
+  kernel = scanned['Transformer']['encoderblock']['MlpBlock_0']['Dense_0']['kernel']
+  assert kernel.shape == (3, 12, 20)  # (L, D, M)
+  np.testing.assert_array_equal(
+      kernel[2], params['Transformer']['encoderblock_2']['MlpBlock_0']['Dense_0']['kernel'])
+  assert_trees_equal(checkpoint.unscan_blocks(scanned), params)
+  assert_trees_equal(checkpoint.scan_blocks(scanned), scanned)  # Already scanned: unchanged.
+
+
+def test_blocks_that_differ_cannot_be_stacked():
+  params = random_params(models_vit.VisionTransformer(num_classes=5, **TINY), (16, 16))
+  params['Transformer']['encoderblock_1']['MlpBlock_0']['Dense_0']['kernel'] = np.zeros((12, 8))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'Transformer/encoderblock_\{i\}/MlpBlock_0/Dense_0/kernel has shapes '
+                           r'\[\(12, 8\), \(12, 20\)\] in different blocks'):
+    checkpoint.scan_blocks(params)
+  del params['Transformer']['encoderblock_1']['LayerNorm_1']
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'Transformer/encoderblock_\{i\}/LayerNorm_1/bias is in blocks \[0\] '
+                           r'only, not in all 2'):
+    checkpoint.scan_blocks(params)
+
+
+def test_save_writes_scanned_params_in_the_published_layout(tmp_path):
+  params = random_params(models_vit.VisionTransformer(num_classes=5, **TINY), (16, 16))
+  checkpoint.save(checkpoint.scan_blocks(params), tmp_path / 'model.npz')
+  keys = set(np.load(tmp_path / 'model.npz').files)
+  assert 'Transformer/encoderblock_1/MultiHeadDotProductAttention_1/query/kernel' in keys
+  assert not any(key.startswith('Transformer/encoderblock/') for key in keys)
+  assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+
+
+def two_layer_config():
+  config = small_config()
+  config.transformer.num_layers = 2
+  return config
+
+
+def test_published_file_loads_into_a_scanned_model(tmp_path):
+  config = two_layer_config()
+  pretrained = random_params(models.get_model(config, num_classes=7), (224, 224))
+  checkpoint.save(pretrained, tmp_path / 'model.npz')
+  scanned_model = models.get_model(config, num_classes=3, scan_layers=True)
+  init = random_params(scanned_model, (224, 224), seed=1)
+
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+  assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, init)
+  assert_trees_equal(checkpoint.unscan_blocks(params)['Transformer']['encoderblock_1'],
+                     pretrained['Transformer']['encoderblock_1'])
+  per_block = checkpoint.load_pretrained(tmp_path / 'model.npz', checkpoint.unscan_blocks(init),
+                                         config)
+  images = images_of(224, batch=1)
+  np.testing.assert_allclose(logits_of(scanned_model, params, images),
+                             logits_of(models.get_model(config, num_classes=3), per_block, images),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_model_mismatches_are_named_in_the_published_layout(tmp_path):
+  config = two_layer_config()
+  checkpoint.save(random_params(models.get_model(config, num_classes=7), (224, 224)),
+                  tmp_path / 'model.npz')
+  checkpoint.check_matches(
+      checkpoint.load(tmp_path / 'model.npz'),
+      models.param_shapes(models.get_model(config, num_classes=7, scan_layers=True)), source='ok')
+  config.transformer.mlp_dim = 24
+  init = random_params(models.get_model(config, num_classes=3, scan_layers=True), (224, 224))
+  with pytest.raises(ValueError, match=r'Transformer/encoderblock_1/MlpBlock_0/Dense_0/kernel '
+                                       r'is \(16, 32\) in the file but \(16, 24\) in the model'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+  config = two_layer_config()
+  config.transformer.num_layers = 3
+  with pytest.raises(ValueError, match=r'model.npz does not fit the model: missing '
+                                       r'Transformer/encoderblock_2/LayerNorm_0/bias \(16,\)'):
+    checkpoint.check_matches(
+        checkpoint.load(tmp_path / 'model.npz'),
+        models.param_shapes(models.get_model(config, num_classes=7, scan_layers=True)),
+        source=str(tmp_path / 'model.npz'))

@@ -209,6 +209,8 @@ class Encoder(nn.Module):
   attention weights are stacked likewise: `encoderblock/.../attention_weights` is
   ((L, B, N, T, T),). `remat_policy` (a name of REMAT_POLICIES) rematerialises each block under
   that `jax.checkpoint` policy: the backward pass recomputes what the policy does not save.
+  On XLA:CPU only scanned blocks gain from it: the CPU compiler drops the optimisation barriers
+  that keep unscanned recomputations apart and merges them back into the forward pass.
   """
   num_layers: int
   mlp_dim: int

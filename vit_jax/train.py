@@ -230,9 +230,12 @@ def evaluate(eval_step, params, config, mesh: Mesh) -> dict[str, float]:
 
 
 def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
+  """Orbax manager of `WORKDIR/checkpoints`; a save becomes visible only once complete."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), 'checkpoints'),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=config.keep_checkpoints, create=True,
+          cleanup_tmp_directories=True))  # Half-written saves of a killed run are dropped.
 
 
 def save_checkpoint(manager: ocp.CheckpointManager, state: TrainState, data_state: dict):
@@ -350,18 +353,17 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, ma
       timer_start, timer_step = time.perf_counter(), step
     if step % config.progress_every == 0 or step == config.total_steps:
       check_finite(step, metrics)
-      metrics = jax.device_get(metrics)
-      del metrics['finite']
+      logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
       elapsed = time.perf_counter() - timer_start
       images_per_second = (step - timer_step) * config.batch / elapsed
-      metrics.update(images_per_second=images_per_second,
-                     mfu=images_per_second * flops_per_image_over_peak)
-      writer.write_scalars(step, metrics)
+      logged.update(images_per_second=images_per_second,
+                    mfu=images_per_second * flops_per_image_over_peak)
+      writer.write_scalars(step, logged)
       eta = (config.total_steps - step) * elapsed / (step - timer_step)
       logging.info('step %d/%d: loss %.4f, %.0f img/s, MFU %.3f, ETA %s', step,
-                   config.total_steps, metrics['train_loss'], images_per_second, metrics['mfu'],
+                   config.total_steps, logged['train_loss'], images_per_second, logged['mfu'],
                    _format_seconds(eta))
-      last_metrics.update(metrics)
+      last_metrics.update(logged)
       timer_start, timer_step = time.perf_counter(), step
     if step % config.eval_every == 0 or step == config.total_steps:
       eval_start = time.perf_counter()

@@ -1,0 +1,74 @@
+"""Smoke tests of the speed benchmark, vit_jax/inference_time.py, on the tiny 'testing' model."""
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from vit_jax import hardware
+from vit_jax import inference_time
+from vit_jax import models
+
+FIELDS = ('model', 'mode', 'batch', 'image_size', 'dtype', 'device', 'images_per_second',
+          'ms_per_batch', 'gflops_per_image', 'achieved_gflops', 'peak_gflops', 'peak_source',
+          'mfu', 'mfu_rounds', 'compile_seconds', 'jax_version', 'date')
+FAST = ['--model', 'testing', '--image_size', '32', '--rounds', '3', '--round_seconds', '0.05',
+        '--peak_size', '128']
+
+
+def run_cli(tmp_path, *flags) -> dict:
+  out = tmp_path / 'result.json'
+  inference_time.main(FAST + list(flags) + ['--out', str(out)])
+  with open(out) as f:
+    return json.load(f)
+
+
+def check_consistent(result: dict) -> None:
+  """Every field is there and the figures agree with one another."""
+  assert set(FIELDS) <= set(result)
+  assert result['images_per_second'] == pytest.approx(
+      1e3 * result['batch'] / result['ms_per_batch'])
+  assert result['achieved_gflops'] == pytest.approx(
+      result['images_per_second'] * result['gflops_per_image'])
+  assert result['mfu'] == pytest.approx(result['achieved_gflops'] / result['peak_gflops'])
+  assert len(result['mfu_rounds']) == 3 and result['mfu'] in result['mfu_rounds']
+  assert result['peak_source'] == 'measured 128^2 matmul'  # No published peak for a CPU.
+  assert result['compile_seconds'] > 0
+
+
+def test_inference_writes_every_figure(tmp_path, capsys):
+  result = run_cli(tmp_path, '--batch', '4')
+  check_consistent(result)
+  assert (result['model'], result['mode'], result['batch'], result['image_size'],
+          result['dtype']) == ('testing', 'inference', 4, 32, 'float32')
+  assert 'images/s' in capsys.readouterr().out
+
+
+def test_train_step_counts_three_forward_passes(tmp_path):
+  result = run_cli(tmp_path, '--batch', '8', '--train', '--optimizer', 'adamw')
+  check_consistent(result)
+  assert (result['mode'], result['optimizer']) == ('train', 'adamw')
+  forward = models.gflops_per_image(models.get_model('testing', num_classes=1000), 32)
+  assert result['gflops_per_image'] == pytest.approx(3 * forward)
+
+
+def test_bfloat16_times_against_a_bfloat16_peak(tmp_path):
+  result = run_cli(tmp_path, '--batch', '2', '--dtype', 'bfloat16')
+  check_consistent(result)
+  assert result['dtype'] == 'bfloat16'
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--model', 'ViT-Z_7'], 'is unknown'),
+    (['--image_size', '30'], 'not divisible by the patch size 16x16'),
+    (['--batch', '0'], 'must be at least 1'),
+])
+def test_bad_arguments_name_the_flag(flags, message, capsys):
+  with pytest.raises(SystemExit):
+    inference_time.main(FAST + flags)
+  assert message in capsys.readouterr().err
+
+
+def test_accelerators_use_their_published_peak():
+  assert hardware.published_peak_flops('NVIDIA H100 80GB HBM3', jnp.bfloat16) == 989e12
+  assert hardware.published_peak_flops('TPU v4', jnp.float32) == 275e12 / 4
+  assert hardware.published_peak_flops('cpu', jnp.float32) is None  # Measured instead.
