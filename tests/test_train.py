@@ -1,5 +1,4 @@
 """Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
-import glob
 import os
 import re
 import subprocess
@@ -11,6 +10,7 @@ import pytest
 
 from configs import models as model_configs
 import tiny_config as tiny_config_file
+from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
 from vit_jax import train
@@ -23,16 +23,9 @@ def tiny_config(**overrides):
 
 
 def read_scalars(workdir):
-  """{tag: {step: value}} from the TensorBoard event files in `workdir`."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  scalars = {}
-  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        if value.metadata.plugin_data.plugin_name != 'scalars':
-          continue  # The hparams summary.
-        scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
-  return scalars
+  """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
+  return {tag: dict(zip(steps.tolist(), values.tolist()))
+          for tag, (steps, values) in analysis.read_scalars(workdir).items()}
 
 
 @pytest.fixture(scope='module')

@@ -59,7 +59,13 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.getLogger().setLevel(logging.INFO)
   initialize_distributed()
+  import jax  # pylint: disable=g-import-not-at-top
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after flags: it imports jax)
+  if jax.process_count() > 1:
+    if not flags.FLAGS.workdir:
+      sys.exit('--workdir is required with several processes: they must share one folder.')
+    if jax.process_index() > 0:  # Process 0 speaks for all.
+      logging.getLogger().setLevel(logging.WARNING)
   workdir = flags.FLAGS.workdir or fresh_workdir()
   logging.info('Workdir: %s', os.path.abspath(workdir))
   try:
