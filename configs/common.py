@@ -29,6 +29,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model_name = 'ViT-B_16'
   config.model = ml_collections.ConfigDict()  # Filled from the registry by `with_model`.
   config.dtype = 'float32'  # Computation dtype; parameters stay float32.
+  # Memory: the blocks as one nn.scan (compile time independent of depth), and rematerialised
+  # under a jax.checkpoint policy (see models_vit.REMAT_POLICIES), e.g. 'nothing_saveable'.
+  config.scan_layers = False
+  config.remat_policy = ml_collections.FieldReference(None, field_type=str)
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
 

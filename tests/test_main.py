@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from vit_jax import analysis
@@ -143,9 +144,12 @@ def test_two_processes_train_like_one_with_all_devices(tmp_path, uninterrupted):
   env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
   runs = [MainProcess(tmp_path, LONG_RUN, f'--coordinator_address={address}',
                       '--num_processes=2', f'--process_id={i}', env=env) for i in range(2)]
-  # If one process fails, the other would wait for it: stop both and show both logs.
-  runs[0].wait_for(lambda: all(run.process.poll() is not None for run in runs) or any(
-      run.process.poll() not in (None, 0) for run in runs), 'both processes ending')
+  # If one process fails, the other would wait for it: then stop both and show both logs.
+  deadline = time.monotonic() + TIMEOUT
+  while (any(run.process.poll() is None for run in runs)
+         and all(run.process.poll() in (None, 0) for run in runs)
+         and time.monotonic() < deadline):
+    time.sleep(0.1)
   for run in runs:
     run.process.kill()
   statuses = [run.finish() for run in runs]
@@ -155,10 +159,10 @@ def test_two_processes_train_like_one_with_all_devices(tmp_path, uninterrupted):
   expected_steps, expected = analysis.read_scalars(str(uninterrupted))['train_loss']
   assert list(steps) == list(expected_steps) == [20, 40, 60, 80, 100, 120, 140, 150]
   # The same batches and math: step 20's loss agrees to float precision. Cross-process sums add
-  # in another order, and the rounding differences grow over 150 Adam steps at lr 1e-2: losses
-  # drift by ~1%, params by ~1e-4 against weights of ~5e-2 (a different data order would move
-  # them by that much).
+  # in another order, and the rounding differences grow over 150 Adam steps at lr 1e-2 to ~1%
+  # of the losses and params (another data order would change them entirely).
   np.testing.assert_allclose(losses[0], expected[0], rtol=1e-5)
   np.testing.assert_allclose(losses, expected, rtol=3e-2)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-3),
-               final_params(tmp_path), final_params(uninterrupted))
+  params, expected_params = final_params(tmp_path), final_params(uninterrupted)
+  difference = optax.tree.norm(jax.tree.map(np.subtract, params, expected_params))
+  assert difference < 0.02 * optax.tree.norm(expected_params)

@@ -229,9 +229,11 @@ def test_scanned_blocks_sow_attention_weights_stacked_over_layers():
     np.testing.assert_allclose(stacked[i], per_block, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('scan_layers', [False, True])
-def test_remat_gives_the_same_loss_and_gradients_with_dropout(scan_layers):
-  model = tiny_vit(scan_layers=scan_layers, dropout_rate=0.2, attention_dropout_rate=0.2)
+# Dropout (slow to compile) in one case only: remat must replay the same masks.
+@pytest.mark.parametrize('scan_layers,dropout_rate', [(False, 0.0), (True, 0.2)])
+def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout_rate):
+  model = tiny_vit(scan_layers=scan_layers, dropout_rate=dropout_rate,
+                   attention_dropout_rate=dropout_rate)
   images = images_of()
   params = random_params(model, images)
 

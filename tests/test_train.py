@@ -103,20 +103,30 @@ def test_gradient_accumulation_equals_the_full_batch():
                results[1][0])
 
 
+def loss_curve(config, devices=None, steps=3):
+  """The training losses of the first `steps` steps on `devices` (all by default)."""
+  mesh = train.make_mesh(config, devices)
+  state, step = one_step_state(config, mesh)
+  batches = input_pipeline.get_train_iterator(config, mesh)
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, next(batches))
+    losses.append(float(metrics['train_loss']))
+  return losses
+
+
 def test_one_and_eight_devices_give_the_same_loss_curve():
-  config = tiny_config()
-  curves = []
-  for devices in (jax.devices()[:1], jax.devices()):
-    mesh = train.make_mesh(config, devices)
-    state, step = one_step_state(config, mesh)
-    batches = input_pipeline.get_train_iterator(config, mesh)
-    losses = []
-    for _ in range(5):
-      state, metrics = step(state, next(batches))
-      losses.append(float(metrics['train_loss']))
-    curves.append(losses)
   assert len(jax.devices()) == 8
-  np.testing.assert_allclose(curves[0], curves[1], rtol=1e-5)
+  np.testing.assert_allclose(loss_curve(tiny_config(), jax.devices()[:1], steps=5),
+                             loss_curve(tiny_config(), steps=5), rtol=1e-5)
+
+
+def test_rematerialised_scanned_layers_train_like_stored_ones():
+  configs = [tiny_config(scan_layers=True),
+             tiny_config(scan_layers=True, remat_policy='nothing_saveable')]
+  for config in configs:
+    config.model.transformer.num_layers = 2
+  np.testing.assert_allclose(loss_curve(configs[0]), loss_curve(configs[1]), rtol=1e-5)
 
 
 def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
@@ -138,6 +148,7 @@ def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
     (dict(pretrained_path='/nonexistent/ViT-B_16.npz'),
      r"config.pretrained_path='/nonexistent/ViT-B_16.npz' does not exist"),
     (dict(optimizer='adam'), r"config.optimizer='adam' is not one of \('sgd', 'adamw'\)"),
+    (dict(remat_policy='dots'), r"config.remat_policy='dots' is not one of \(None, 'nothing_"),
 ])
 def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
   with pytest.raises(train.ConfigError, match=message) as error:

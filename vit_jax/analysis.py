@@ -43,6 +43,8 @@ def patch_grid(model: models_vit.VisionTransformer, image_size: tuple[int, int])
 def _sown_attention(model, params, images):
   _, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
   transformer = state['intermediates']['Transformer']
+  if 'encoderblock' in transformer:  # scan_layers=True: the layers come stacked, (L, B, N, T, T).
+    return list(transformer['encoderblock'][ATTENTION_MODULE]['attention_weights'][0])
   return [transformer[f'encoderblock_{i}'][ATTENTION_MODULE]['attention_weights'][0]
           for i in range(model.num_layers)]
 

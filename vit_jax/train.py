@@ -26,6 +26,7 @@ from vit_jax import checkpoint
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
+from vit_jax import models_vit
 from vit_jax import sharding
 
 Batch = dict[str, jax.Array]
@@ -82,7 +83,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
-                         ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES)):
+                         ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
+                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
     if config[field] not in choices:
       raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
   if config.pretrained_path and not os.path.exists(config.pretrained_path) and '://' not in (
@@ -92,8 +94,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
 
 
 def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  """The VisionTransformer of `config.model` in `config.dtype`."""
-  return models.get_model(config.model, num_classes=num_classes, dtype=jnp.dtype(config.dtype))
+  """The VisionTransformer of `config.model` with the config's dtype, scan and remat settings."""
+  return models.get_model(config.model, num_classes=num_classes, dtype=jnp.dtype(config.dtype),
+                          scan_layers=config.scan_layers, remat_policy=config.remat_policy)
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
