@@ -67,10 +67,11 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def with_model(config: ml_collections.ConfigDict, model_name: str) -> ml_collections.ConfigDict:
-  """Sets `model_name` and copies the registry's model config into `config.model`."""
-  if model_name not in models.MODEL_CONFIGS:
-    raise ValueError(f'Unknown model {model_name!r}. Known models: '
-                     f'{", ".join(models.MODEL_CONFIGS)}.')
+  """Sets `model_name` and copies the registry's model config into `config.model`.
+
+  An unknown name leaves `config.model` empty; training then stops with the known names.
+  """
   config.model_name = model_name
-  config.model = models.MODEL_CONFIGS[model_name].copy_and_resolve_references()
+  if model_name in models.MODEL_CONFIGS:
+    config.model = models.MODEL_CONFIGS[model_name].copy_and_resolve_references()
   return config

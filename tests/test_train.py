@@ -183,8 +183,14 @@ def test_pretrained_file_of_another_architecture_is_a_config_error(trained_workd
     train.train_and_evaluate(config, str(tmp_path))
 
 
-def test_unknown_model_in_the_config_lists_the_known_ones():
+def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
   from configs import vit  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"Unknown model 'ViT-Z_1'. Known models: ViT-Ti_16"):
-    vit.get_config('ViT-Z_1,cifar10')
   assert vit.get_config('b16,cifar10').model.hidden_size == 768
+  with pytest.raises(train.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
+                                              r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):
+    train.train_and_evaluate(vit.get_config('ViT-Z_1,fashion_mnist_embedded'), str(tmp_path))
+
+
+def test_unknown_dataset_is_a_config_error(tmp_path):
+  with pytest.raises(train.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
+    train.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))

@@ -66,6 +66,14 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ConfigError for a config that cannot train, before anything is compiled."""
+  if not config.model:
+    raise ConfigError(f'Unknown model config.model_name={config.model_name!r}. Known models: '
+                      f'{", ".join(models.MODEL_CONFIGS)} (short names in configs/vit.py).')
+  for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
+                         ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
+                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
+    if config[field] not in choices:
+      raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
   data_devices = num_devices // config.mesh.model if config.mesh.data == -1 else config.mesh.data
   if config.batch % (data_devices * config.accum_steps):
     raise ConfigError(
@@ -82,11 +90,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
-  for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
-                         ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
-                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
-    if config[field] not in choices:
-      raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
   if config.pretrained_path and not os.path.exists(config.pretrained_path) and '://' not in (
       config.pretrained_path):
     raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not exist: give '
@@ -126,8 +129,9 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
   """Per-example softmax cross-entropy: logits (B, C), int labels (B,) -> (B,)."""
-  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing) if (
-      label_smoothing) else jax.nn.one_hot(labels, logits.shape[-1])
+  targets = jax.nn.one_hot(labels, logits.shape[-1])
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
   return optax.softmax_cross_entropy(logits, targets)
 
 
@@ -285,7 +289,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   A workdir holding a checkpoint resumes from its latest one.
   """
   validate_config(config, jax.device_count())
-  info = input_pipeline.get_dataset_info(config)
+  try:
+    info = input_pipeline.get_dataset_info(config)
+  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
+    raise ConfigError(str(e)) from None
   mesh = make_mesh(config)
   model = build_model(config, info.num_classes)
   optimizer = make_optimizer(config)
