@@ -1,6 +1,9 @@
 """The default run: a small ViT trained from scratch on the embedded Fashion-MNIST, on a CPU.
 
-`python -m vit_jax.main` trains it in a few minutes on 2 CPU cores (see README for the figures).
+`python -m vit_jax.main` trains it in under 5 minutes on 2 CPU cores (README has the figures):
+7x7 patches of the 28x28 images (16 tokens and the class token), width 128, 4 blocks of 4
+heads, AdamW with warmup and cosine decay, label smoothing, random flips. Random-area crops
+(the paper's Inception crop) cost accuracy at this resolution and schedule, so they are off.
 """
 from configs import common
 from configs import models
@@ -11,10 +14,10 @@ def get_config():
   config.dataset = 'fashion_mnist_embedded'
   config.pp.crop = 28
   config.pp.flip = True
-  config.pp.inception_crop = True
-  config.model_name = 'ViT-mini_4'
-  config.model = models.vit('ViT-mini_4', patch=4, hidden=128, mlp=256, heads=4, layers=4)
-  config.batch = 256
+  config.pp.inception_crop = False
+  config.model_name = 'ViT-mini_7'
+  config.model = models.vit('ViT-mini_7', patch=7, hidden=128, mlp=512, heads=4, layers=4)
+  config.batch = 128
   config.batch_eval = 1000
   config.total_steps = 1000
   config.warmup_steps = 100
@@ -23,7 +26,7 @@ def get_config():
   config.weight_decay = 0.05
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.1
-  config.progress_every = 50
+  config.progress_every = 100
   config.eval_every = 500
   config.checkpoint_every = 500
   return config
