@@ -19,7 +19,7 @@ def get_config():
   config.model = models.vit('ViT-mini_7', patch=7, hidden=128, mlp=512, heads=4, layers=4)
   config.batch = 128
   config.batch_eval = 1000
-  config.total_steps = 1000
+  config.total_steps = 900
   config.warmup_steps = 100
   config.optimizer = 'adamw'
   config.base_lr = 2e-3
@@ -27,6 +27,6 @@ def get_config():
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.1
   config.progress_every = 100
-  config.eval_every = 500
-  config.checkpoint_every = 500
+  config.eval_every = 450
+  config.checkpoint_every = 450
   return config

@@ -174,6 +174,14 @@ def _shard(source, split: str, process_index: int, process_count: int) -> source
   return shard
 
 
+def _fixed_options() -> tf.data.Options:
+  """tf.data without its autotuner: over an endless pipeline its model grows with every epoch,
+  and tearing the iterator down at the end of a run then took up to a minute."""
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return options
+
+
 def train_dataset(config, *, process_index: int, process_count: int,
                   start_step: int = 0) -> tf.data.Dataset:
   """This process's training batches from step `start_step` on, as an endless tf.data pipeline.
@@ -210,7 +218,7 @@ def train_dataset(config, *, process_index: int, process_count: int,
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch).skip(offset)
   examples = records.enumerate(start=first_position).filter(is_own_row).map(
       preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  return examples.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  return examples.batch(batch, drop_remainder=True).prefetch(2).with_options(_fixed_options())
 
 
 def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.Dataset:
