@@ -336,10 +336,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     preemption.close()
     manager.wait_until_finished()
     writer.flush()
-  if 'preempted_at_step' not in last_metrics and is_main:
-    export_path = os.path.join(workdir, 'model.npz')
-    checkpoint.save(jax.device_get(state.params), export_path)
-    logging.info('Wrote the final params to %s.', export_path)
+  if 'preempted_at_step' not in last_metrics:
+    # Every process joins the gather (params may be split across hosts); process 0 writes.
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    if is_main:
+      export_path = os.path.join(workdir, 'model.npz')
+      checkpoint.save(params, export_path)
+      logging.info('Wrote the final params to %s.', export_path)
   return last_metrics
 
 
