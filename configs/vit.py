@@ -9,7 +9,6 @@ from scratch; with `--config.pretrained_path=FILE.npz` it fine-tunes as in the p
 import ml_collections
 
 from configs import common
-from configs import models
 
 MODELS = {
     'ti16': 'ViT-Ti_16', 's16': 'ViT-S_16', 's32': 'ViT-S_32', 'b8': 'ViT-B_8',

@@ -4,7 +4,6 @@ import re
 import subprocess
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -2,7 +2,6 @@
 import json
 import os
 
-import flax.traverse_util
 import jax
 import ml_collections
 import numpy as np
