@@ -8,12 +8,13 @@ Without --train it times the forward pass (`train=False`) of a batch of random i
 one update step of vit_jax.train (forward, backward, optimiser, state donated), counted as 3x the
 forward FLOPs. FLOPs per image are XLA's count of the forward pass (vit_jax.models).
 The step is compiled once (the compile time is reported), run once to warm up, then timed in
-`--rounds` rounds of back-to-back steps that each last about `--round_seconds`. MFU is the
-achieved FLOP/s over the device's peak for the dtype: the published dense peak of a known
-accelerator (vit_jax.hardware), else (CPUs) the rate of a `--peak_size`-square matmul timed the
-same way, in rounds before, between and after the model's, so that on a shared machine each
-model round is set against the peak under the same load. The figures printed are those of the
-round of median MFU. Everything runs on one device.
+`--rounds` rounds of back-to-back steps that each last about `--round_seconds` (or one step,
+if that is longer). MFU is the achieved FLOP/s over the device's peak for the dtype: the
+published dense peak of a known accelerator (vit_jax.hardware), else (CPUs) the rate of a
+`--peak_size`-square matmul timed the same way, in rounds as long as the model's, before,
+between and after them, so that on a shared machine each model round is set against the peak
+under the same load. The figures printed are those of the round of median MFU. Everything
+runs on one device.
 """
 import argparse
 import datetime
@@ -102,23 +103,27 @@ def seconds_per_step(run: Runner, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def steps_per_round(run: Runner, round_seconds: float) -> int:
-  """Steps that fill about `round_seconds`, at least 1, sized by one (warm-up) step."""
-  return max(1, round(round_seconds / seconds_per_step(run, 1)))
+def steps_per_round(run: Runner, round_seconds: float) -> tuple[int, float]:
+  """(steps that fill about `round_seconds`, at least 1; the seconds they take), sized by one
+  (warm-up) step."""
+  seconds = seconds_per_step(run, 1)
+  steps = max(1, round(round_seconds / seconds))
+  return steps, steps * seconds
 
 
 def timed_rounds(run_model: Runner, run_peak: Runner | None, rounds: int,
                  round_seconds: float) -> list[tuple[float, float | None]]:
   """(model seconds per step, peak seconds per call) of each round.
 
-  Peak rounds, when there is a `run_peak`, come before, between and after the model's, and
-  each model round takes the mean of the two that enclose it: under a load that drifts,
-  the model and its peak are timed under the same one.
+  Peak rounds, when there is a `run_peak`, last as long as the model's (which can be longer
+  than `round_seconds` when one step is) and come before, between and after them; each model
+  round takes the mean of the two that enclose it: under a load that drifts, the model and its
+  peak are timed under the same one.
   """
-  model_steps = steps_per_round(run_model, round_seconds)
+  model_steps, model_seconds = steps_per_round(run_model, round_seconds)
   if run_peak is None:
     return [(seconds_per_step(run_model, model_steps), None) for _ in range(rounds)]
-  peak_steps = steps_per_round(run_peak, round_seconds)
+  peak_steps, _ = steps_per_round(run_peak, model_seconds)
   peak = [seconds_per_step(run_peak, peak_steps)]
   model = []
   for _ in range(rounds):

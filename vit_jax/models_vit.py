@@ -92,9 +92,9 @@ class MlpBlock(nn.Module):
 class DenseGeneralParams(nn.Module):
   """Declares the `kernel` and `bias` of a flax DenseGeneral and returns them unapplied.
 
-  Lets the attention keep the query, key and value kernels under their published names and
-  still compute all three projections as one fused matrix product. The kernel is
-  Xavier-uniform initialised over its flattened (inputs, outputs) shape, as DenseGeneral does.
+  Lets the attention keep its kernels under their published names and still choose the
+  products (and their output layouts) itself. The kernel is Xavier-uniform initialised over its
+  flattened (inputs, outputs) shape, as DenseGeneral does.
   """
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
@@ -118,13 +118,13 @@ class MultiHeadDotProductAttention(nn.Module):
   """Multi-head self-attention (Eq. 2's MSA): (B, T, D) -> (B, T, D).
 
   Parameters as in flax: `query|key|value/kernel` (D, N, K), `.../bias` (N, K),
-  `out/kernel` (N, K, D), `out/bias` (D,). The three input projections run as one product,
-  with the query's 1/sqrt(K) folded into its kernel and bias, and give heads-major
-  (B, N, T, K) values, so that both attention products are batched over leading (B, N) without
-  transposes (what XLA's CPU backend runs fastest). On a GPU in 16-bit floats the attention is
-  cuDNN's fused kernel, through jax.nn.dot_product_attention. When the caller makes
-  `intermediates` mutable, the attention weights (B, N, T, T) are sown as `attention_weights`
-  (used by the visualisations).
+  `out/kernel` (N, K, D), `out/bias` (D,). The projections give heads-major (B, N, T, K) values
+  directly, so that both attention products are batched over leading (B, N) without transposes
+  (what XLA's CPU backend runs fastest; three separate products measured ~7% faster per step
+  than one over the stacked kernels, whose stacking XLA redoes at every call). On a GPU in
+  16-bit floats the attention is cuDNN's fused kernel, through jax.nn.dot_product_attention.
+  When the caller makes `intermediates` mutable, the attention weights (B, N, T, T) are sown as
+  `attention_weights` (used by the visualisations).
   """
   num_heads: int
   dropout_rate: float = 0.0
@@ -136,13 +136,15 @@ class MultiHeadDotProductAttention(nn.Module):
     if d % self.num_heads:
       raise ValueError(f'hidden_size {d} is not divisible by num_heads {self.num_heads}.')
     n, k = self.num_heads, d // self.num_heads
-    in_params = [DenseGeneralParams((d,), (n, k), name=name)() for name in
-                 ('query', 'key', 'value')]
-    scale = jnp.array([1 / math.sqrt(k), 1, 1])[:, None, None]  # Query, key, value.
-    qkv_kernel = (jnp.stack([w for w, _ in in_params], axis=1) * scale).astype(self.dtype)
-    qkv_bias = (jnp.stack([b for _, b in in_params]) * scale).astype(self.dtype)  # (3, N, K)
-    qkv = jnp.einsum('btd,dsnk->sbntk', x.astype(self.dtype), qkv_kernel)
-    q, key, value = qkv + qkv_bias[:, None, :, None]  # Each (B, N, T, K).
+    x = x.astype(self.dtype)
+
+    def project(name):
+      kernel, bias = DenseGeneralParams((d,), (n, k), name=name)()
+      return (jnp.einsum('btd,dnk->bntk', x, kernel.astype(self.dtype))
+              + bias.astype(self.dtype)[:, None])
+
+    q = project('query') * jnp.asarray(1 / math.sqrt(k), self.dtype)
+    key, value = project('key'), project('value')  # q, key, value: (B, N, T, K).
 
     use_dropout = self.dropout_rate > 0 and not deterministic
     if (use_dropout or self.is_mutable_collection('intermediates')
