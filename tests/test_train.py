@@ -1,6 +1,7 @@
 """Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
 import os
 import re
+import shutil
 import subprocess
 
 import jax
@@ -137,6 +138,30 @@ def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
   params = checkpoint.load(os.path.join(tmp_path, 'model.npz'))
   assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 8 * 8 + 1, 32)
   assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
+
+
+def test_fine_tune_keeps_the_model_overrides_recorded_with_the_checkpoint(trained_workdir,
+                                                                         tmp_path):
+  workdir, _ = trained_workdir
+  converted = str(tmp_path / 'converted.npz')  # As vit_jax.convert writes one: exact GELU.
+  shutil.copy(os.path.join(workdir, 'model.npz'), converted)
+  checkpoint.save_model_overrides({'approximate_gelu': False}, converted)
+  config = tiny_config(total_steps=2, eval_every=2, checkpoint_every=2, progress_every=1,
+                       pretrained_path=converted)
+  assert not train.build_model(config, num_classes=10).approximate_gelu
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  exported = tmp_path / 'run' / 'model.npz'
+  assert checkpoint.load_model_overrides(exported) == {'approximate_gelu': False}
+
+
+def test_unreadable_model_overrides_are_a_config_error(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  converted = str(tmp_path / 'converted.npz')
+  shutil.copy(os.path.join(workdir, 'model.npz'), converted)
+  (tmp_path / 'converted.overrides.json').write_text('{not json')
+  with pytest.raises(train.ConfigError, match=r'converted.overrides.json is not a '
+                                              r'model-overrides record'):
+    train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
 
 
 @pytest.mark.parametrize('overrides,message', [

@@ -96,10 +96,23 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                       'the path of a .npz checkpoint (published, or a WORKDIR/model.npz).')
 
 
+def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
+  """The model fields recorded next to `config.pretrained_path` (checkpoint.save_model_overrides;
+  e.g. the exact GELU of converted Hugging Face or timm weights); {} without one."""
+  if not config.pretrained_path:
+    return {}
+  try:
+    return checkpoint.load_model_overrides(config.pretrained_path)
+  except checkpoint.CheckpointError as e:
+    raise ConfigError(str(e)) from None
+
+
 def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  """The VisionTransformer of `config.model` with the config's dtype, scan and remat settings."""
-  return models.get_model(config.model, num_classes=num_classes, dtype=jnp.dtype(config.dtype),
-                          scan_layers=config.scan_layers, remat_policy=config.remat_policy)
+  """The VisionTransformer of `config.model` with the config's dtype, scan and remat settings and
+  the pretrained checkpoint's recorded overrides."""
+  return models.get_model(config.model, num_classes=num_classes, **{
+      **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
+      'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy})
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -342,6 +355,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_main:
       export_path = os.path.join(workdir, 'model.npz')
       checkpoint.save(params, export_path)
+      if overrides := pretrained_overrides(config):
+        checkpoint.save_model_overrides(overrides, export_path,
+                                        note=f'Fine-tuned from {config.pretrained_path}.')
       logging.info('Wrote the final params to %s.', export_path)
   return last_metrics
 
@@ -367,15 +383,18 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, ma
     if step % config.progress_every == 0 or step == config.total_steps:
       check_finite(step, metrics)
       logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
-      elapsed = time.perf_counter() - timer_start
-      images_per_second = (step - timer_step) * config.batch / elapsed
-      logged.update(images_per_second=images_per_second,
-                    mfu=images_per_second * flops_per_image_over_peak)
+      speed = ''
+      if step > timer_step:  # Not on the first step (its time is mostly compilation).
+        elapsed = time.perf_counter() - timer_start
+        images_per_second = (step - timer_step) * config.batch / elapsed
+        logged.update(images_per_second=images_per_second,
+                      mfu=images_per_second * flops_per_image_over_peak)
+        eta = (config.total_steps - step) * elapsed / (step - timer_step)
+        speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
+                 f'ETA {_format_seconds(eta)}')
       writer.write_scalars(step, logged)
-      eta = (config.total_steps - step) * elapsed / (step - timer_step)
-      logging.info('step %d/%d: loss %.4f, %.0f img/s, MFU %.3f, ETA %s', step,
-                   config.total_steps, logged['train_loss'], images_per_second, logged['mfu'],
-                   _format_seconds(eta))
+      logging.info('step %d/%d: loss %.4f%s', step, config.total_steps, logged['train_loss'],
+                   speed)
       last_metrics.update(logged)
       timer_start, timer_step = time.perf_counter(), step
     if step % config.eval_every == 0 or step == config.total_steps:
