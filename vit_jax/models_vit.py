@@ -121,9 +121,10 @@ class MultiHeadDotProductAttention(nn.Module):
   `out/kernel` (N, K, D), `out/bias` (D,). The projections give heads-major (B, N, T, K) values
   directly, so that both attention products are batched over leading (B, N) without transposes
   (what XLA's CPU backend runs fastest), and the query is scaled by 1/sqrt(K) before the
-  logits, inside the bias add. On a GPU in 16-bit floats the attention is cuDNN's fused kernel, through jax.nn.dot_product_attention.
-  When the caller makes `intermediates` mutable, the attention weights (B, N, T, T) are sown as
-  `attention_weights` (used by the visualisations).
+  logits, inside the bias add. On a GPU in 16-bit floats the attention is cuDNN's fused
+  kernel, through jax.nn.dot_product_attention. When the caller makes `intermediates` mutable,
+  the attention weights (B, N, T, T) are sown as `attention_weights` (used by the
+  visualisations).
   """
   num_heads: int
   dropout_rate: float = 0.0
