@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.remat_policy = ml_collections.FieldReference(None, field_type=str)
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
+  config.pretrained_keep_head = False  # True: keep the file's head (same classes).
 
   # Optimisation.
   config.batch = 512  # Global batch.

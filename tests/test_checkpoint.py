@@ -131,6 +131,19 @@ def test_finetune_setup_from_224_to_384_px(tmp_path):
     np.testing.assert_allclose(new_grid[corner], old_grid[corner], rtol=1e-6)
 
 
+def test_keep_head_keeps_the_files_head_when_the_classes_are_the_same(tmp_path):
+  pretrained = write_pretrained(tmp_path / 'model.npz')  # 7 classes.
+  config = small_config()
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz',
+                                      init_params(config, (384, 384), num_classes=7), config,
+                                      keep_head=True)
+  assert_trees_equal(params['head'], pretrained['head'])
+  with pytest.raises(ValueError, match=r'head/kernel is \(16, 7\) in the file but \(16, 3\) '
+                                       r'in the model'):
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config,
+                               keep_head=True)
+
+
 def test_representation_layer_is_kept_when_the_target_has_one(tmp_path):
   pretrained = write_pretrained(tmp_path / 'model.npz', representation_size=16)
   config = small_config(representation_size=16)

@@ -140,6 +140,16 @@ def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
   assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
 
 
+def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir):
+  workdir, _ = trained_workdir
+  config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'),
+                       pretrained_keep_head=True)
+  config.pp.crop = 56
+  params = train.load_pretrained_params(config, train.build_model(config, num_classes=10))
+  trained = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  np.testing.assert_array_equal(params['head']['kernel'], trained['head']['kernel'])
+
+
 def test_fine_tune_keeps_the_model_overrides_recorded_with_the_checkpoint(trained_workdir,
                                                                          tmp_path):
   workdir, _ = trained_workdir

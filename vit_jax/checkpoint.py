@@ -322,11 +322,13 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
 
 def load_pretrained(path, init_params: Params, model_config, *,
                     posemb_method: str = 'bilinear',
-                    grid: Optional[tuple[int, int]] = None) -> Params:
+                    grid: Optional[tuple[int, int]] = None,
+                    keep_head: bool = False) -> Params:
   """The checkpoint at `path`, set up to fine-tune the model freshly initialised as `init_params`.
 
   - `pre_logits` is dropped when `model_config.representation_size` is None;
-  - `head` is replaced by the freshly initialised one of `init_params` (new classes);
+  - `head` is replaced by the freshly initialised one of `init_params` (new classes), or, with
+    `keep_head`, kept from the file (the same classes, e.g. continuing at a higher resolution);
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model_config.classifier` has one) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
@@ -341,8 +343,9 @@ def load_pretrained(path, init_params: Params, model_config, *,
   target = traverse_util.flatten_dict(unscan_blocks(init_params))
   if model_config.get('representation_size') is None:
     restored = {p: v for p, v in restored.items() if p[0] != 'pre_logits'}
-  restored = {p: v for p, v in restored.items() if p[0] != 'head'}
-  restored.update({p: v for p, v in target.items() if p[0] == 'head'})
+  if not keep_head:
+    restored = {p: v for p, v in restored.items() if p[0] != 'head'}
+    restored.update({p: v for p, v in target.items() if p[0] == 'head'})
   has_class_token = model_config.classifier in TOKEN_CLASSIFIERS
   # Resized only when the file and the model agree on the class token; else _check_flat says.
   same_tokens = (('cls',) in restored) == has_class_token

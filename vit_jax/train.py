@@ -458,7 +458,8 @@ def load_pretrained_params(config, model):
   fresh = init_params(config, model, config.pp.crop)
   try:
     return checkpoint.load_pretrained(config.pretrained_path, jax.device_get(fresh),
-                                      config.model, posemb_method=config.posemb_method)
+                                      config.model, posemb_method=config.posemb_method,
+                                      keep_head=config.pretrained_keep_head)
   except (ValueError, KeyError) as e:
     raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not fit '
                       f'{config.model_name}: {e}') from None
