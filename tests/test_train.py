@@ -150,11 +150,17 @@ def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir):
   np.testing.assert_array_equal(params['head']['kernel'], trained['head']['kernel'])
 
 
+def copy_of_trained_npz(trained_workdir, tmp_path) -> str:
+  """A copy of the trained run's model.npz in `tmp_path`, to record overrides next to."""
+  copy = str(tmp_path / 'converted.npz')
+  shutil.copy(os.path.join(trained_workdir[0], 'model.npz'), copy)
+  return copy
+
+
 def test_fine_tune_keeps_the_model_overrides_recorded_with_the_checkpoint(trained_workdir,
                                                                          tmp_path):
-  workdir, _ = trained_workdir
-  converted = str(tmp_path / 'converted.npz')  # As vit_jax.convert writes one: exact GELU.
-  shutil.copy(os.path.join(workdir, 'model.npz'), converted)
+  converted = copy_of_trained_npz(trained_workdir, tmp_path)
+  # As vit_jax.convert records it: exact GELU.
   checkpoint.save_model_overrides({'approximate_gelu': False}, converted)
   config = tiny_config(total_steps=2, eval_every=2, checkpoint_every=2, progress_every=1,
                        pretrained_path=converted)
@@ -165,9 +171,7 @@ def test_fine_tune_keeps_the_model_overrides_recorded_with_the_checkpoint(traine
 
 
 def test_unreadable_model_overrides_are_a_config_error(trained_workdir, tmp_path):
-  workdir, _ = trained_workdir
-  converted = str(tmp_path / 'converted.npz')
-  shutil.copy(os.path.join(workdir, 'model.npz'), converted)
+  converted = copy_of_trained_npz(trained_workdir, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
   with pytest.raises(train.ConfigError, match=r'converted.overrides.json is not a '
                                               r'model-overrides record'):
