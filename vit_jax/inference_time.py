@@ -226,4 +226,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  hardware.keep_freed_host_memory()
   main()

@@ -14,6 +14,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import configs
+from vit_jax import hardware
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
 
@@ -78,4 +79,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  hardware.keep_freed_host_memory()
   app.run(main)
