@@ -83,9 +83,7 @@ def loss_curve_and_state(strategy, mesh_model=1, steps=3):
   model = train.build_model(config, num_classes=10)
   optimizer = train.make_optimizer(config)
   state, shardings = train.create_train_state(config, model, optimizer, mesh, 28)
-  step = jax.jit(train.make_train_step(model, optimizer, config),
-                 in_shardings=(shardings, jax.sharding.NamedSharding(mesh, P('data'))),
-                 out_shardings=(shardings, jax.sharding.NamedSharding(mesh, P())))
+  step = train.jit_train_step(model, optimizer, config, mesh, shardings)
   batches = input_pipeline.get_train_iterator(config, mesh)
   losses = []
   for _ in range(steps):

@@ -72,21 +72,19 @@ def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
 def train_runner(config, model, image_size: int, device) -> tuple[Runner, float]:
   """(a runner of vit_jax.train's update step on `config.batch` images, its compile seconds).
 
-  The step is jitted as the training loop jits it: state and batch placed on a mesh (here of
-  `device` alone), the state donated, so that each step updates it in place.
+  The step is jitted as the training loop jits it (`train.jit_train_step`): state and batch
+  placed on a mesh (here of `device` alone), the state donated, so that each step updates it in
+  place.
   """
   from vit_jax import train  # Imports TensorFlow (through the input pipeline): only when needed.
   mesh = train.make_mesh(config, [device])
   optimizer = train.make_optimizer(config)
   state, shardings = train.create_train_state(config, model, optimizer, mesh, image_size)
-  batch_sharding = NamedSharding(mesh, P('data'))
   batch = jax.device_put({'image': random_images(config.batch, image_size),
-                          'label': jnp.arange(config.batch) % NUM_CLASSES}, batch_sharding)
+                          'label': jnp.arange(config.batch) % NUM_CLASSES},
+                         NamedSharding(mesh, P('data')))
   step, seconds = compile_timed(
-      jax.jit(train.make_train_step(model, optimizer, config),
-              in_shardings=(shardings, batch_sharding),
-              out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0),
-      state, batch)
+      train.jit_train_step(model, optimizer, config, mesh, shardings), state, batch)
 
   def run(n: int) -> None:
     nonlocal state

@@ -221,6 +221,14 @@ def make_train_step(model, optimizer, config) -> Callable[[TrainState, Batch], t
   return train_step
 
 
+def jit_train_step(model, optimizer, config, mesh: Mesh, shardings):
+  """`make_train_step` jitted over `mesh`: the state laid out as `shardings` and donated (it is
+  updated in place), the batch split along 'data', the metrics replicated."""
+  return jax.jit(make_train_step(model, optimizer, config),
+                 in_shardings=(shardings, NamedSharding(mesh, P('data'))),
+                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+
+
 def make_eval_step(model) -> Callable[[Any, Batch], dict]:
   """eval(params, batch) -> sums over the unmasked examples: correct, loss, count."""
 
@@ -326,10 +334,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   else:
     train_iter = input_pipeline.get_train_iterator(config, mesh)
 
-  batch_sharding = NamedSharding(mesh, P('data'))
-  train_step = jax.jit(make_train_step(model, optimizer, config),
-                       in_shardings=(shardings, batch_sharding),
-                       out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  train_step = jit_train_step(model, optimizer, config, mesh, shardings)
   eval_step = jax.jit(make_eval_step(model))
 
   writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
