@@ -65,8 +65,11 @@ def keep_freed_host_memory() -> bool:
   on threads that have not allocated yet: call it before the first JAX computation (the
   command-line tools call it first thing). Returns whether it took effect.
   """
-  mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # None off glibc (macOS).
-  if mallopt is None or not only_cpu_backend():
+  if not only_cpu_backend():
+    return False
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (AttributeError, OSError, TypeError):  # No mallopt (macOS), no CDLL(None) (Windows).
     return False
   # musl has a mallopt() that does nothing and returns 0.
   return all(mallopt(param, value) == 1 for param, value in
