@@ -11,6 +11,7 @@ import tempfile
 
 from absl import app
 from absl import flags
+import jax
 from ml_collections import config_flags
 
 import configs
@@ -46,7 +47,6 @@ CLUSTER_SIZE_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
 
 def initialize_distributed():
   """Starts JAX's multi-process runtime when this is one of several processes."""
-  import jax  # pylint: disable=g-import-not-at-top
   if flags.FLAGS.coordinator_address:
     jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
@@ -60,8 +60,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.getLogger().setLevel(logging.INFO)
   initialize_distributed()
-  import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax import train  # pylint: disable=g-import-not-at-top  (after flags: it imports jax)
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')
