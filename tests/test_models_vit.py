@@ -279,3 +279,47 @@ def test_unknown_remat_policy_is_a_clear_error():
   with pytest.raises(ValueError, match=r"remat_policy='dots'; choose one of \('nothing_saveable', "
                                        r"'dots_saveable', .*\), or None"):
     tiny_vit(remat_policy='dots').init(jax.random.key(0), images_of(), train=False)
+
+
+def lowered_for_gpu(model, images, train, monkeypatch):
+  """The StableHLO text of the model's mean logit (its gradient when `train`), lowered for a
+  CUDA GPU on whatever host runs the test, with the model seeing a GPU as its backend."""
+  params = model.init(jax.random.key(0), images, train=False)['params']
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  def loss(params):
+    logits = model.apply({'params': params}, images, train=train,
+                         rngs={'dropout': jax.random.key(1)})
+    return logits.astype(jnp.float32).mean()
+  fn = jax.grad(loss) if train else loss
+  return jax.jit(fn).trace(params).lower(lowering_platforms=('cuda',)).as_text()
+
+
+def lowered_with_cudnn(*args):
+  """lowered_for_gpu, skipping the test where JAX cannot find cuDNN (no jax-cuda12-plugin)."""
+  try:
+    return lowered_for_gpu(*args)
+  except RuntimeError as e:
+    if 'cuDNN' not in str(e):
+      raise
+    pytest.skip(f'lowering cuDNN attention needs jax-cuda12-plugin and cuDNN installed ({e})')
+
+
+CUDA_VIT = dict(hidden_size=32, num_heads=2, dtype=jnp.bfloat16)  # head size 16
+
+
+def test_bfloat16_training_with_a_class_token_lowers_for_gpu_without_cudnn_attention(monkeypatch):
+  text = lowered_for_gpu(tiny_vit(**CUDA_VIT), images_of(), True, monkeypatch)  # 17 tokens
+  assert 'cudnn' not in text
+  assert 'bf16' in text
+
+
+def test_bfloat16_inference_lowers_for_gpu_with_cudnn_attention(monkeypatch):
+  text = lowered_with_cudnn(tiny_vit(**CUDA_VIT), images_of(), False, monkeypatch)
+  assert text.count('custom_call @__cudnn$fmhaSoftmax(') == TINY['num_layers']
+
+
+def test_bfloat16_training_of_even_length_lowers_for_gpu_with_cudnn_attention(monkeypatch):
+  text = lowered_with_cudnn(tiny_vit(classifier='gap', **CUDA_VIT), images_of(), True,
+                            monkeypatch)  # 16 tokens
+  assert text.count('custom_call @__cudnn$fmhaSoftmax(') == TINY['num_layers']
+  assert text.count('custom_call @__cudnn$fmhaSoftmaxBackward(') == TINY['num_layers']

@@ -107,11 +107,13 @@ class DenseGeneralParams(nn.Module):
     return kernel, self.param('bias', nn.initializers.zeros, self.out_shape)
 
 
-def _cudnn_attention(dtype, head_size: int) -> bool:
+def _cudnn_attention(dtype, head_size: int, seq_len: int, training: bool) -> bool:
   """Whether jax.nn.dot_product_attention can run cuDNN's fused attention on these inputs:
-  on a GPU, in 16-bit floats, with a head size that is a multiple of 8 up to 128."""
+  on a GPU, in 16-bit floats, with a head size that is a multiple of 8 up to 128, and, when
+  training, an even sequence length (jax 0.10.2's cuDNN gradient rejects odd ones, such as
+  the 197 tokens of a class token and 14x14 patches)."""
   return (jax.default_backend() == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-          and head_size % 8 == 0 and head_size <= 128)
+          and head_size % 8 == 0 and head_size <= 128 and not (training and seq_len % 2))
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -122,9 +124,9 @@ class MultiHeadDotProductAttention(nn.Module):
   directly, so that both attention products are batched over leading (B, N) without transposes
   (what XLA's CPU backend runs fastest), and the query is scaled by 1/sqrt(K) before the
   logits, inside the bias add. On a GPU in 16-bit floats the attention is cuDNN's fused
-  kernel, through jax.nn.dot_product_attention. When the caller makes `intermediates` mutable,
-  the attention weights (B, N, T, T) are sown as `attention_weights` (used by the
-  visualisations).
+  kernel, through jax.nn.dot_product_attention, where `_cudnn_attention` allows. When the
+  caller makes `intermediates` mutable, the attention weights (B, N, T, T) are sown as
+  `attention_weights` (used by the visualisations).
   """
   num_heads: int
   dropout_rate: float = 0.0
@@ -148,7 +150,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
     use_dropout = self.dropout_rate > 0 and not deterministic
     if (use_dropout or self.is_mutable_collection('intermediates')
-        or not _cudnn_attention(self.dtype, k)):
+        or not _cudnn_attention(self.dtype, k, x.shape[1], training=not deterministic)):
       logits = jnp.einsum('bnqk,bntk->bnqt', q, key)
       weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
       self.sow('intermediates', 'attention_weights', weights)
