@@ -1,10 +1,11 @@
-"""Tests of vit_jax/hardware.py: published peaks, and keeping freed host memory on a CPU."""
+"""Tests of vit_jax/hardware.py: peaks, one device per core, and keeping freed host memory."""
 import os
 import subprocess
 import sys
 import textwrap
 
 import jax.numpy as jnp
+import pytest
 
 from vit_jax import hardware
 
@@ -57,3 +58,32 @@ def test_accelerators_use_their_published_peak():
   assert hardware.published_peak_flops('NVIDIA H100 80GB HBM3', jnp.bfloat16) == 989e12
   assert hardware.published_peak_flops('TPU v4', jnp.float32) == 275e12 / 4
   assert hardware.published_peak_flops('cpu', jnp.float32) is None  # Measured instead.
+
+
+# Prints what use_one_device_per_core returned and the devices JAX then has, in a process
+# whose JAX has not started and that may run on the cores given as arguments (all if none).
+DEVICES_PER_CORE = textwrap.dedent('''
+    import os, sys
+    if sys.argv[1:]:
+      os.sched_setaffinity(0, {int(core) for core in sys.argv[1:]})
+    from vit_jax import hardware
+    count = hardware.use_one_device_per_core(lambda n: 6 % n == 0)
+    import jax
+    print(count, jax.local_device_count())
+''')
+
+
+def test_a_cpu_host_gets_one_device_per_core_that_fits():
+  cores = hardware.cpu_cores()
+  fitting = max(n for n in range(1, cores + 1) if 6 % n == 0)
+  assert run_python(DEVICES_PER_CORE, XLA_FLAGS='').split() == [str(fitting)] * 2
+  one_core = str(min(os.sched_getaffinity(0)))
+  assert run_python(DEVICES_PER_CORE, one_core, XLA_FLAGS='').split() == ['1', '1']
+
+
+@pytest.mark.parametrize('env, devices', [
+    ({'XLA_FLAGS': '--xla_force_host_platform_device_count=5'}, '5'),
+    ({'XLA_FLAGS': '', 'JAX_NUM_CPU_DEVICES': '3'}, '3'),
+])
+def test_a_device_count_set_by_the_user_is_kept(env, devices):
+  assert run_python(DEVICES_PER_CORE, **env).split() == ['None', devices]

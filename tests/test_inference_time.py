@@ -6,9 +6,10 @@ import pytest
 from vit_jax import inference_time
 from vit_jax import models
 
-FIELDS = ('model', 'mode', 'batch', 'image_size', 'dtype', 'device', 'images_per_second',
-          'ms_per_batch', 'gflops_per_image', 'achieved_gflops', 'peak_gflops', 'peak_source',
-          'mfu', 'mfu_rounds', 'compile_seconds', 'jax_version', 'date')
+FIELDS = ('model', 'mode', 'batch', 'image_size', 'dtype', 'device', 'devices',
+          'images_per_second', 'ms_per_batch', 'gflops_per_image', 'achieved_gflops',
+          'peak_gflops', 'peak_source', 'mfu', 'mfu_rounds', 'compile_seconds', 'jax_version',
+          'date')
 FAST = ['--model', 'testing', '--image_size', '32', '--rounds', '3', '--round_seconds', '0.05',
         '--peak_size', '128']
 
@@ -37,8 +38,14 @@ def test_inference_writes_every_figure(tmp_path, capsys):
   result = run_cli(tmp_path, '--batch', '4')
   check_consistent(result)
   assert (result['model'], result['mode'], result['batch'], result['image_size'],
-          result['dtype']) == ('testing', 'inference', 4, 32, 'float32')
-  assert 'images/s' in capsys.readouterr().out
+          result['dtype'], result['devices']) == ('testing', 'inference', 4, 32, 'float32', 4)
+  assert '4 x cpu' in capsys.readouterr().out
+
+
+def test_on_a_cpu_host_the_batch_is_split_over_the_devices_that_divide_it():
+  # conftest.py makes 8 CPU devices.
+  assert [len(inference_time.benchmark_devices(batch)) for batch in (1, 6, 7, 16, 27)] == [
+      1, 6, 7, 8, 3]
 
 
 def test_train_step_counts_three_forward_passes(tmp_path):

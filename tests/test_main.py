@@ -17,6 +17,7 @@ import pytest
 
 from vit_jax import analysis
 from vit_jax import checkpoint
+from vit_jax import hardware
 from vit_jax import train
 import tiny_config
 
@@ -99,6 +100,15 @@ def test_bad_config_is_reported_in_one_line(tmp_path):
   assert log.strip().splitlines()[-1] == (
       'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
       'config.accum_steps=1: make it a multiple of 8.')
+
+
+def test_one_process_on_a_cpu_host_trains_on_one_device_per_core_that_fits(tmp_path):
+  short = {'total_steps': 2, 'eval_every': 2, 'checkpoint_every': 2, 'batch': 6, 'batch_eval': 6,
+           'test_split': 'test[:12]'}
+  process = MainProcess(tmp_path, short, env={'XLA_FLAGS': ''})  # conftest.py's 8 devices off.
+  assert process.finish() == 0, process.log
+  devices = max(n for n in range(1, hardware.cpu_cores() + 1) if 6 % n == 0)
+  assert f"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices." in process.log
 
 
 def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path, uninterrupted):

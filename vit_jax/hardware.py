@@ -2,13 +2,15 @@
 
 Peak FLOP/s, for model FLOPs utilisation (MFU): accelerators use their published dense peak for
 the compute dtype; CPUs (and devices not in the table) use a peak measured in this process: the
-best rate of a large jitted matmul. And `keep_freed_host_memory`, which spares XLA:CPU steps
-from page-faulting their buffers back in.
+best rate of a large jitted matmul. And, for XLA:CPU, `use_one_device_per_core`, which lets a
+sharded step use every core for all of its work, and `keep_freed_host_memory`, which spares its
+steps from page-faulting their buffers back in.
 """
 import ctypes
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import time
 from typing import Callable
 
@@ -74,6 +76,37 @@ def keep_freed_host_memory() -> bool:
   # musl has a mallopt() that does nothing and returns 0.
   return all(mallopt(param, value) == 1 for param, value in
              ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)))  # -1: never trim.
+
+
+def cpu_cores() -> int:
+  """The cores this process may run on (its affinity: taskset, a container's CPU set)."""
+  if hasattr(os, 'sched_getaffinity'):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def use_one_device_per_core(fits: Callable[[int], bool] = lambda count: True) -> int | None:
+  """Makes JAX show a CPU host as one device per core, so a step sharded over them runs
+  data-parallel on all cores.
+
+  One XLA:CPU device runs a step with a pool of threads, but splits only large operations
+  over them: the many small products of attention, for one, run one after another on one
+  core. On one device per core, every core runs all of the step for its share of the batch
+  (benchmarks/README.md has the figures). The peak of MFU stays the matmul of one device,
+  which uses every core.
+
+  Takes the most devices, at most one per core, for which `fits(count)` (say, the batch
+  divides). Acts only where JAX runs on the CPU (`only_cpu_backend`) and nobody has set the
+  count (XLA_FLAGS' --xla_force_host_platform_device_count, `jax_num_cpu_devices`): set it
+  to 1 to keep one device. Call it before the first JAX computation. Returns the count set,
+  or None.
+  """
+  if (not only_cpu_backend() or jax.config.jax_num_cpu_devices != -1
+      or 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '')):
+    return None
+  count = max(n for n in range(1, cpu_cores() + 1) if n == 1 or fits(n))
+  jax.config.update('jax_num_cpu_devices', count)
+  return count
 
 
 def published_peak_flops(device_kind: str, dtype) -> float | None:

@@ -13,8 +13,12 @@ if that is longer). MFU is the achieved FLOP/s over the device's peak for the dt
 published dense peak of a known accelerator (vit_jax.hardware), else (CPUs) the rate of a
 `--peak_size`-square matmul timed the same way, in rounds as long as the model's, before,
 between and after them, so that on a shared machine each model round is set against the peak
-under the same load. The figures printed are those of the round of median MFU. Everything
-runs on one device.
+under the same load. The figures printed are those of the round of median MFU.
+
+An accelerator benchmark runs on one chip. On a CPU host the command first makes JAX show one
+device per core (vit_jax.hardware.use_one_device_per_core, as vit_jax.main does) and runs
+the step split over as many of them as divide the batch; the peak's matmul runs on the first
+(one XLA:CPU device uses every core for a large matmul).
 """
 import argparse
 import datetime
@@ -24,7 +28,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs import common
 from vit_jax import hardware
@@ -47,10 +51,23 @@ def compile_timed(jitted, *args):
   return compiled, time.perf_counter() - start
 
 
-def inference_runner(model, batch: int, image_size: int, device) -> tuple[Runner, float]:
-  """(a runner of the forward pass on `batch` images on `device`, its compile seconds)."""
-  images = jax.device_put(random_images(batch, image_size), device)
-  params = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False)['params'])(images)
+def benchmark_devices(batch: int) -> list:
+  """The devices a benchmark of `batch` images runs on: an accelerator's first chip; on a CPU
+  host, the most of its devices (one per core after `use_one_device_per_core`) that split
+  the batch evenly. (A CPU's peak is the matmul of the first: its threads use every core.)"""
+  devices = jax.local_devices()
+  if devices[0].platform != 'cpu':
+    return devices[:1]
+  return devices[:max(n for n in range(1, len(devices) + 1) if batch % n == 0)]
+
+
+def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runner, float]:
+  """(a runner of the forward pass on `batch` images split over `devices`, its compile
+  seconds); the params are replicated."""
+  mesh = Mesh(devices, ('data',))
+  images = jax.device_put(random_images(batch, image_size), NamedSharding(mesh, P('data')))
+  params = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False)['params'],
+                   out_shardings=NamedSharding(mesh, P()))(images)
   forward, seconds = compile_timed(
       jax.jit(lambda p, x: model.apply({'params': p}, x, train=False)), params, images)
 
@@ -63,21 +80,21 @@ def inference_runner(model, batch: int, image_size: int, device) -> tuple[Runner
 
 
 def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
-  """The training defaults of configs/common.py for `model_name` at `batch` on one device."""
+  """The training defaults of configs/common.py for `model_name` at `batch`."""
   config = common.with_model(common.get_config(), model_name)
   config.batch, config.dtype, config.optimizer = batch, dtype, optimizer
   return config
 
 
-def train_runner(config, model, image_size: int, device) -> tuple[Runner, float]:
+def train_runner(config, model, image_size: int, devices) -> tuple[Runner, float]:
   """(a runner of vit_jax.train's update step on `config.batch` images, its compile seconds).
 
   The step is jitted as the training loop jits it (`train.jit_train_step`): state and batch
-  placed on a mesh (here of `device` alone), the state donated, so that each step updates it in
-  place.
+  placed on a mesh of `devices`, the batch split over them, the state donated, so that each
+  step updates it in place.
   """
   from vit_jax import train  # Imports TensorFlow (through the input pipeline): only when needed.
-  mesh = train.make_mesh(config, [device])
+  mesh = train.make_mesh(config, devices)
   optimizer = train.make_optimizer(config)
   state, shardings = train.create_train_state(config, model, optimizer, mesh, image_size)
   batch = jax.device_put({'image': random_images(config.batch, image_size),
@@ -137,13 +154,14 @@ def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float3
 
   They are those of the round of median MFU; `mfu_rounds` lists every round's.
   """
-  device = jax.local_devices()[0]
+  devices = benchmark_devices(batch)
+  device = devices[0]
   model = models.get_model(model_name, num_classes=NUM_CLASSES, dtype=jnp.dtype(dtype))
   if train:
     config = train_config(model_name, batch, dtype, optimizer)
-    run_model, compile_seconds = train_runner(config, model, image_size, device)
+    run_model, compile_seconds = train_runner(config, model, image_size, devices)
   else:
-    run_model, compile_seconds = inference_runner(model, batch, image_size, device)
+    run_model, compile_seconds = inference_runner(model, batch, image_size, devices)
   published = hardware.published_peak_flops(device.device_kind, dtype)
   run_peak = None if published else hardware.matmul_runner(jnp.dtype(dtype), peak_size, device)
   gflops_per_image = (3 if train else 1) * models.gflops_per_image(model, image_size)
@@ -157,7 +175,7 @@ def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float3
   return {
       'model': model_name, 'mode': 'train' if train else 'inference', 'batch': batch,
       'image_size': image_size, 'dtype': dtype, 'optimizer': optimizer if train else None,
-      'device': device.device_kind, 'platform': device.platform,
+      'device': device.device_kind, 'platform': device.platform, 'devices': len(devices),
       'images_per_second': batch / step_seconds, 'ms_per_batch': 1e3 * step_seconds,
       'gflops_per_image': gflops_per_image, 'achieved_gflops': achieved_gflops,
       'peak_gflops': peak_gflops,
@@ -170,7 +188,8 @@ def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float3
 
 def format_result(r: dict) -> str:
   what = f'{r["model"]} {r["mode"]}' + (f' ({r["optimizer"]})' if r['optimizer'] else '')
-  return (f'{what}, batch {r["batch"]}, {r["image_size"]} px, {r["dtype"]} on {r["device"]}:\n'
+  on = f'{r["devices"]} x {r["device"]}' if r['devices'] > 1 else r['device']
+  return (f'{what}, batch {r["batch"]}, {r["image_size"]} px, {r["dtype"]} on {on}:\n'
           f'  {r["images_per_second"]:.2f} images/s, {r["ms_per_batch"]:.1f} ms per batch, '
           f'compiled in {r["compile_seconds"]:.1f} s\n'
           f'  {r["gflops_per_image"]:.2f} GFLOPs per image, {r["achieved_gflops"]:.1f} GFLOP/s '
@@ -213,6 +232,7 @@ def main(argv=None):
                       help='Side of the matmul that measures the peak where none is published.')
   parser.add_argument('--out', help='Also write the figures as one JSON object to this file.')
   args = parser.parse_args(argv)
+  hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   check_args(parser, args)
   result = benchmark(args.model, args.batch, args.image_size, args.dtype, args.train,
                      args.optimizer, args.rounds, args.round_seconds, args.peak_size)

@@ -4,6 +4,7 @@ Without `--config`, trains the default small ViT on the embedded Fashion-MNIST
 (configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`.
 """
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -45,22 +46,27 @@ def fresh_workdir() -> str:
 CLUSTER_SIZE_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
 
 
-def initialize_distributed():
-  """Starts JAX's multi-process runtime when this is one of several processes."""
+def initialize_distributed() -> bool:
+  """Starts JAX's multi-process runtime when this is one of several processes; returns whether
+  it did."""
   if flags.FLAGS.coordinator_address:
     jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
   elif (any(int(os.environ.get(v, 1)) > 1 for v in CLUSTER_SIZE_VARIABLES)
         or ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '')):
     jax.distributed.initialize()
+  else:
+    return False
+  return True
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.getLogger().setLevel(logging.INFO)
-  initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
+  if not initialize_distributed():  # One process: on a CPU host, one device per core.
+    hardware.use_one_device_per_core(functools.partial(train.fits_devices, flags.FLAGS.config))
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')

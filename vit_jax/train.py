@@ -55,13 +55,25 @@ class TrainState:
 def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
   """A ('data', 'model') mesh over `devices` (all by default); `mesh.data = -1` takes the rest."""
   devices = np.asarray(jax.devices() if devices is None else devices)
-  model_size = config.mesh.model
-  data_size = config.mesh.data if config.mesh.data != -1 else devices.size // model_size
+  model_size, data_size = config.mesh.model, data_parallel_size(config, devices.size)
   if data_size * model_size != devices.size:
     raise ConfigError(
         f'config.mesh data={config.mesh.data} x model={model_size} does not cover the '
         f'{devices.size} devices: make their product {devices.size} (data=-1 fills it in).')
   return Mesh(devices.reshape(data_size, model_size), ('data', 'model'))
+
+
+def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> int:
+  """The size of the mesh's 'data' axis over `num_devices` devices."""
+  return config.mesh.data if config.mesh.data != -1 else num_devices // config.mesh.model
+
+
+def fits_devices(config: ml_collections.ConfigDict, num_devices: int) -> bool:
+  """Whether `config` can train on `num_devices` devices: its mesh covers them, and its batches
+  (and micro-batches) split evenly over the data-parallel ones."""
+  data = data_parallel_size(config, num_devices)
+  return (data * config.mesh.model == num_devices and config.batch_eval % data == 0
+          and config.batch % (data * config.accum_steps) == 0)
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -74,7 +86,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
     if config[field] not in choices:
       raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
-  data_devices = num_devices // config.mesh.model if config.mesh.data == -1 else config.mesh.data
+  data_devices = data_parallel_size(config, num_devices)
   if config.batch % (data_devices * config.accum_steps):
     raise ConfigError(
         f'config.batch={config.batch} is not divisible by {data_devices} data-parallel devices x '
@@ -315,6 +327,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
     raise ConfigError(str(e)) from None
   mesh = make_mesh(config)
+  logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
+               mesh.devices.flat[0].platform)
   model = build_model(config, info.num_classes)
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
