@@ -178,6 +178,18 @@ def test_unreadable_model_overrides_are_a_config_error(trained_workdir, tmp_path
     train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
 
 
+@pytest.mark.parametrize('overrides, fitting', [
+    ({}, [1, 2, 4, 8]),  # batch 64, batch_eval 1000.
+    (dict(batch=48, batch_eval=48), [1, 2, 3, 4, 6, 8]),
+    (dict(batch=48, batch_eval=48, accum_steps=8), [1, 2, 3, 6]),
+    (dict(batch=48, batch_eval=48, mesh=dict(data=-1, model=2)), [2, 4, 6, 8]),
+    (dict(mesh=dict(data=2, model=1)), [2]),
+])
+def test_device_counts_that_fit_a_config(overrides, fitting):
+  config = tiny_config(**overrides)
+  assert [n for n in range(1, 9) if train.fits_devices(config, n)] == fitting
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(batch=60), r'config.batch=60 is not divisible by 8 data-parallel devices x '
                      r'config.accum_steps=1: make it a multiple of 8'),
