@@ -5,6 +5,8 @@ import io
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -323,3 +325,65 @@ def test_bfloat16_training_of_even_length_lowers_for_gpu_with_cudnn_attention(mo
                             monkeypatch)  # 16 tokens
   assert text.count('custom_call @__cudnn$fmhaSoftmax(') == TINY['num_layers']
   assert text.count('custom_call @__cudnn$fmhaSoftmaxBackward(') == TINY['num_layers']
+
+
+# An NVIDIA H200 as XLA:GPU's compiler sees it (xla.gpu.TargetConfig in text format), for
+# compiling without one: compute capability 9.0, 132 SMs, 141 GB, cuDNN 9.28, CUDA 12.9.
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  cuda_compute_capability { major: 9 minor: 0 }
+  core_count: 132  fpus_per_core: 128  clock_rate_ghz: 1.98
+  threads_per_block_limit: 1024  threads_per_warp: 32  threads_per_core_limit: 2048
+  shared_memory_per_block: 49152  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000  l2_cache_size: 52428800
+  device_memory_size: 141000000000
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 28 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def compiled_for_h200(model, images, train, monkeypatch):
+  """The optimised HLO text of the model's mean logit (its gradient when `train`), compiled by
+  XLA:GPU for an H200 on whatever host runs the test (deviceless ahead-of-time compilation);
+  skips the test where no JAX CUDA plugin is installed.
+
+  Gradients compile with cuBLAS products instead of Triton's: without a device XLA cannot
+  autotune, and the default tiling it keeps for the backward product of the Q/K/V
+  projections fails ("Couldn't find output tile sizes", jax 0.10.2; benchmarks/README.md).
+  """
+  try:
+    topology = topologies.get_topology_desc(platform='cuda', topology='1x1x1',
+                                            target_config=H200_TARGET_CONFIG)
+  except NotImplementedError as e:
+    pytest.skip(f'compiling for a GPU needs jax-cuda12-plugin and cuDNN installed ({e})')
+  replicated = NamedSharding(topologies.make_mesh(topology, (1,), ('data',)), P())
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False)['params'])
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                        params)
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  def loss(params):
+    logits = model.apply({'params': params}, images, train=train,
+                         rngs={'dropout': jax.random.key(1)})
+    return logits.astype(jnp.float32).mean()
+  options = {'xla_gpu_enable_triton_gemm': False} if train else {}
+  lowered = jax.jit(jax.grad(loss) if train else loss).lower(params)
+  return lowered.compile(compiler_options=options).as_text()
+
+
+def test_bfloat16_inference_compiles_for_an_h200_with_cudnn_attention(monkeypatch):
+  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), False, monkeypatch)
+  assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == TINY['num_layers']
+
+
+def test_bfloat16_training_compiles_for_an_h200(monkeypatch):
+  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), True, monkeypatch)
+  assert 'cudnn$fmha' not in text  # 17 tokens: XLA's attention.
+  gap = compiled_for_h200(tiny_vit(classifier='gap', **CUDA_VIT), images_of(), True,
+                          monkeypatch)
+  assert gap.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == TINY['num_layers']
