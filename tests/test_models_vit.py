@@ -283,17 +283,23 @@ def test_unknown_remat_policy_is_a_clear_error():
     tiny_vit(remat_policy='dots').init(jax.random.key(0), images_of(), train=False)
 
 
-def lowered_for_gpu(model, images, train, monkeypatch):
-  """The StableHLO text of the model's mean logit (its gradient when `train`), lowered for a
-  CUDA GPU on whatever host runs the test, with the model seeing a GPU as its backend."""
-  params = model.init(jax.random.key(0), images, train=False)['params']
+def mean_logit_on_gpu(model, images, train, monkeypatch):
+  """params -> the model's mean logit (its gradient when `train`), jitted, with the model
+  seeing a GPU as its backend (so that it picks cuDNN's attention where it would there)."""
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   def loss(params):
     logits = model.apply({'params': params}, images, train=train,
                          rngs={'dropout': jax.random.key(1)})
     return logits.astype(jnp.float32).mean()
-  fn = jax.grad(loss) if train else loss
-  return jax.jit(fn).trace(params).lower(lowering_platforms=('cuda',)).as_text()
+  return jax.jit(jax.grad(loss) if train else loss)
+
+
+def lowered_for_gpu(model, images, train, monkeypatch):
+  """The StableHLO text of `mean_logit_on_gpu`, lowered for a CUDA GPU on whatever host runs
+  the test."""
+  params = model.init(jax.random.key(0), images, train=False)['params']
+  fn = mean_logit_on_gpu(model, images, train, monkeypatch)
+  return fn.trace(params).lower(lowering_platforms=('cuda',)).as_text()
 
 
 def lowered_with_cudnn(*args):
@@ -349,9 +355,9 @@ device_description_str: "NVIDIA H200"
 
 
 def compiled_for_h200(model, images, train, monkeypatch):
-  """The optimised HLO text of the model's mean logit (its gradient when `train`), compiled by
-  XLA:GPU for an H200 on whatever host runs the test (deviceless ahead-of-time compilation);
-  skips the test where no JAX CUDA plugin is installed.
+  """The optimised HLO text of `mean_logit_on_gpu`, compiled by XLA:GPU for an H200 on
+  whatever host runs the test (deviceless ahead-of-time compilation); skips the test where no
+  JAX CUDA plugin is installed.
 
   Gradients compile with cuBLAS products instead of Triton's: without a device XLA cannot
   autotune, and the default tiling it keeps for the backward product of the Q/K/V
@@ -366,13 +372,8 @@ def compiled_for_h200(model, images, train, monkeypatch):
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False)['params'])
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         params)
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  def loss(params):
-    logits = model.apply({'params': params}, images, train=train,
-                         rngs={'dropout': jax.random.key(1)})
-    return logits.astype(jnp.float32).mean()
   options = {'xla_gpu_enable_triton_gemm': False} if train else {}
-  lowered = jax.jit(jax.grad(loss) if train else loss).lower(params)
+  lowered = mean_logit_on_gpu(model, images, train, monkeypatch).lower(params)
   return lowered.compile(compiler_options=options).as_text()
 
 

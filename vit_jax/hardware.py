@@ -85,6 +85,11 @@ def cpu_cores() -> int:
   return os.cpu_count() or 1
 
 
+def most_that_fit(available: int, fits: Callable[[int], bool]) -> int:
+  """The largest count from 1 to `available` for which `fits(count)`; 1 if none does."""
+  return max(n for n in range(1, available + 1) if n == 1 or fits(n))
+
+
 def use_one_device_per_core(fits: Callable[[int], bool] = lambda count: True) -> int | None:
   """Makes JAX show a CPU host as one device per core, so a step sharded over them runs
   data-parallel on all cores.
@@ -104,7 +109,7 @@ def use_one_device_per_core(fits: Callable[[int], bool] = lambda count: True) ->
   if (not only_cpu_backend() or jax.config.jax_num_cpu_devices != -1
       or 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '')):
     return None
-  count = max(n for n in range(1, cpu_cores() + 1) if n == 1 or fits(n))
+  count = most_that_fit(cpu_cores(), fits)
   jax.config.update('jax_num_cpu_devices', count)
   return count
 

@@ -58,7 +58,7 @@ def benchmark_devices(batch: int) -> list:
   devices = jax.local_devices()
   if devices[0].platform != 'cpu':
     return devices[:1]
-  return devices[:max(n for n in range(1, len(devices) + 1) if batch % n == 0)]
+  return devices[:hardware.most_that_fit(len(devices), lambda count: batch % count == 0)]
 
 
 def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runner, float]:

@@ -68,12 +68,24 @@ def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> i
   return config.mesh.data if config.mesh.data != -1 else num_devices // config.mesh.model
 
 
+def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> str | None:
+  """Why the batches (and micro-batches) of `config` do not split evenly over `data_devices`
+  data-parallel devices, or None where they do."""
+  if config.batch % (data_devices * config.accum_steps):
+    return (f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
+            f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
+            f'{data_devices * config.accum_steps}.')
+  if config.batch_eval % data_devices:
+    return (f'config.batch_eval={config.batch_eval} is not divisible by {data_devices} '
+            'data-parallel devices: make it a multiple of it.')
+  return None
+
+
 def fits_devices(config: ml_collections.ConfigDict, num_devices: int) -> bool:
   """Whether `config` can train on `num_devices` devices: its mesh covers them, and its batches
-  (and micro-batches) split evenly over the data-parallel ones."""
+  split evenly over the data-parallel ones."""
   data = data_parallel_size(config, num_devices)
-  return (data * config.mesh.model == num_devices and config.batch_eval % data == 0
-          and config.batch % (data * config.accum_steps) == 0)
+  return data * config.mesh.model == num_devices and batch_split_error(config, data) is None
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -86,15 +98,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
     if config[field] not in choices:
       raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
-  data_devices = data_parallel_size(config, num_devices)
-  if config.batch % (data_devices * config.accum_steps):
-    raise ConfigError(
-        f'config.batch={config.batch} is not divisible by {data_devices} data-parallel devices x '
-        f'config.accum_steps={config.accum_steps}: make it a multiple of '
-        f'{data_devices * config.accum_steps}.')
-  if config.batch_eval % data_devices:
-    raise ConfigError(f'config.batch_eval={config.batch_eval} is not divisible by '
-                      f'{data_devices} data-parallel devices: make it a multiple of it.')
+  if error := batch_split_error(config, data_parallel_size(config, num_devices)):
+    raise ConfigError(error)
   model = build_model(config, num_classes=1)
   step = model.stem_stride * np.array(model.patch_size)
   if any(config.pp.crop % step):
