@@ -3,12 +3,9 @@
     python -m vit_jax.convert vit_base_patch16_224.safetensors ViT-B_16_timm.npz --model ViT-B_16
 
 Reads a timm or Hugging Face `transformers` state dict from a local .safetensors file (no torch
-needed) of a plain ViT: class token, learned position embeddings, pre-LayerNorm blocks. The
-layouts differ from ours in that
-- torch Linear weights are (out, in): our Dense kernels are their transpose, and the attention
-  kernels split the out or in dimension into heads, (D, N, K) and (N, K, D);
-- timm fuses query, key and value into one `attn.qkv` Linear of (3D, D), rows [q; k; v];
-- the patch-embedding convolution weight is (D, C, P, P), our kernel (P, P, C, D);
+needed) of a ViT: class token, or token mean (timm's `class_token=False, global_pool='avg',
+fc_norm=False`), learned position embeddings, pre-LayerNorm blocks, and for timm also the hybrid's
+ResNet-v2 stem. `vit_jax.torch_layout` holds the names and layouts; besides,
 - both use exact GELU, so the converted model must run with `approximate_gelu=False`: the
   converter records it next to the output, in OUT.overrides.json, which
   `checkpoint.load_model_overrides` and vit_jax.predict read;
@@ -27,12 +24,14 @@ from typing import Optional
 import numpy as np
 import safetensors
 import safetensors.numpy
+from flax import traverse_util
 
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax import torch_layout
 
-TIMM = 'timm'
-HUGGING_FACE = 'Hugging Face'
+TIMM = torch_layout.TIMM
+HUGGING_FACE = torch_layout.HUGGING_FACE
 
 
 class StateDict:
@@ -52,18 +51,6 @@ class StateDict:
           'embeddings, pre-LayerNorm blocks) convert.')
     return np.asarray(self.tensors.pop(key), np.float32)
 
-  def take_dense(self, prefix: str) -> dict[str, np.ndarray]:
-    """A torch Linear (out, in) as a Dense {'kernel': (in, out), 'bias': (out,)}."""
-    return {'kernel': self.take(f'{prefix}.weight').T, 'bias': self.take(f'{prefix}.bias')}
-
-  def take_layer_norm(self, prefix: str) -> dict[str, np.ndarray]:
-    return {'scale': self.take(f'{prefix}.weight'), 'bias': self.take(f'{prefix}.bias')}
-
-  def take_patch_embedding(self, prefix: str) -> dict[str, np.ndarray]:
-    """The (D, C, P, P) convolution as our (P, P, C, D) kernel."""
-    return {'kernel': self.take(f'{prefix}.weight').transpose(2, 3, 1, 0),
-            'bias': self.take(f'{prefix}.bias')}
-
   def count_blocks(self, prefix: str) -> int:
     """Number of `{prefix}{i}.` blocks; 0 when there are none."""
     indices = {int(m.group(1)) for key in self.tensors
@@ -79,80 +66,20 @@ class StateDict:
           'Only plain ViTs (class token, learned position embeddings) convert.')
 
 
-def split_heads(dense: dict[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
-  """A query/key/value Dense, kernel (D, N*K), bias (N*K,) -> kernel (D, N, K), bias (N, K)."""
-  d = dense['kernel'].shape[0]
-  if d % num_heads:
-    raise checkpoint.CheckpointError(f'Hidden size {d} is not divisible by num_heads={num_heads}: '
-                                     f'the weights are not of a model with {num_heads} heads.')
-  return {'kernel': dense['kernel'].reshape(d, num_heads, -1),
-          'bias': dense['bias'].reshape(num_heads, -1)}
-
-
-def merge_heads(dense: dict[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
-  """The attention's output Dense, kernel (N*K, D) -> kernel (N, K, D); bias (D,) as it is."""
-  kernel = dense['kernel']
-  return {'kernel': kernel.reshape(num_heads, -1, kernel.shape[1]), 'bias': dense['bias']}
-
-
-def encoder_block(ln0, qkv, out, ln1, fc1, fc2, num_heads: int) -> dict:
-  """Our `encoderblock_{i}` from its LayerNorms and Denses in the torch (unsplit) layout."""
-  attention = {name: split_heads(dense, num_heads)
-               for name, dense in zip(('query', 'key', 'value'), qkv)}
-  attention['out'] = merge_heads(out, num_heads)
-  return {'LayerNorm_0': ln0, 'MultiHeadDotProductAttention_0': attention, 'LayerNorm_1': ln1,
-          'MlpBlock_0': {'Dense_0': fc1, 'Dense_1': fc2}}
-
-
-def _split_fused_qkv(dense: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-  """timm's fused qkv Dense, kernel (D, 3D), into the query, key and value Denses."""
-  kernels = np.split(dense['kernel'], 3, axis=1)
-  biases = np.split(dense['bias'], 3)
-  return [{'kernel': k, 'bias': b} for k, b in zip(kernels, biases)]
-
-
-def _from_timm(sd: StateDict, num_heads: int) -> dict:
-  blocks = {}
-  for i in range(sd.count_blocks('blocks.')):
-    b = f'blocks.{i}.'
-    blocks[f'encoderblock_{i}'] = encoder_block(
-        sd.take_layer_norm(b + 'norm1'), _split_fused_qkv(sd.take_dense(b + 'attn.qkv')),
-        sd.take_dense(b + 'attn.proj'), sd.take_layer_norm(b + 'norm2'),
-        sd.take_dense(b + 'mlp.fc1'), sd.take_dense(b + 'mlp.fc2'), num_heads)
-  params = {
-      'embedding': sd.take_patch_embedding('patch_embed.proj'),
-      'cls': sd.take('cls_token'),
-      'Transformer': {'posembed_input': {'pos_embedding': sd.take('pos_embed')},
-                      'encoder_norm': sd.take_layer_norm('norm'), **blocks},
-  }
-  if 'pre_logits.fc.weight' in sd:
-    params['pre_logits'] = sd.take_dense('pre_logits.fc')
-  if 'head.weight' in sd:
-    params['head'] = sd.take_dense('head')
-  return params
-
-
-def _from_hugging_face(sd: StateDict, num_heads: int) -> dict:
-  blocks = {}
-  for i in range(sd.count_blocks('encoder.layer.')):
-    b = f'encoder.layer.{i}.'
-    blocks[f'encoderblock_{i}'] = encoder_block(
-        sd.take_layer_norm(b + 'layernorm_before'),
-        [sd.take_dense(f'{b}attention.attention.{name}') for name in ('query', 'key', 'value')],
-        sd.take_dense(b + 'attention.output.dense'), sd.take_layer_norm(b + 'layernorm_after'),
-        sd.take_dense(b + 'intermediate.dense'), sd.take_dense(b + 'output.dense'), num_heads)
-  params = {
-      'embedding': sd.take_patch_embedding('embeddings.patch_embeddings.projection'),
-      'cls': sd.take('embeddings.cls_token'),
-      'Transformer': {
-          'posembed_input': {'pos_embedding': sd.take('embeddings.position_embeddings')},
-          'encoder_norm': sd.take_layer_norm('layernorm'), **blocks},
-  }
-  if 'pooler.dense.weight' in sd:  # tanh(Dense(class token)): the published pre_logits.
-    params['pre_logits'] = sd.take_dense('pooler.dense')
-  if 'classifier.weight' in sd:
-    params['head'] = sd.take_dense('classifier')
-  return params
+def _structure(sd: StateDict, layout: str) -> torch_layout.Structure:
+  """What of a ViT the state dict holds, from its key names."""
+  if layout == HUGGING_FACE:
+    return torch_layout.Structure(sd.count_blocks('vit.encoder.layer.'),
+                                  pre_logits='vit.pooler.dense.weight' in sd,
+                                  head='classifier.weight' in sd)
+  stages, resnet_units = 'patch_embed.backbone.stages.', None
+  if any(key.startswith('patch_embed.backbone.') for key in sd.tensors):
+    resnet_units = tuple(sd.count_blocks(f'{stages}{i}.blocks.')
+                         for i in range(sd.count_blocks(stages)))
+  return torch_layout.Structure(
+      sd.count_blocks('blocks.'), class_token='cls_token' in sd,
+      pre_logits='pre_logits.fc.weight' in sd, head='head.weight' in sd,
+      resnet_units=resnet_units)
 
 
 def detect_layout(tensors: dict[str, np.ndarray], source: str) -> str:
@@ -175,14 +102,15 @@ def convert_state_dict(tensors: dict[str, np.ndarray], num_heads: int,
   error, not silently dropped. `head` and `pre_logits` appear only when the state dict has them.
   """
   layout = detect_layout(tensors, source)
-  if layout == TIMM:
-    sd = StateDict(tensors, source)
-    params = _from_timm(sd, num_heads)
-  else:  # Hugging Face's ViTModel keys have no prefix, ViTForImageClassification's have `vit.`.
-    sd = StateDict({key.removeprefix('vit.'): v for key, v in tensors.items()}, source)
-    params = _from_hugging_face(sd, num_heads)
+  if layout == HUGGING_FACE:  # ViTModel's keys lack the `vit.` of ViTForImageClassification's.
+    tensors = {key if key.startswith(('vit.', 'classifier.')) else 'vit.' + key: value
+               for key, value in tensors.items()}
+  sd = StateDict(tensors, source)
+  flat = {}
+  for tensor in torch_layout.tensors(layout, _structure(sd, layout)):
+    flat.update(tensor.from_torch(sd.take(tensor.key), num_heads))
   sd.check_all_taken()
-  return params, layout
+  return traverse_util.unflatten_dict(flat), layout
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -202,7 +130,7 @@ def describe(params: dict) -> str:
   hidden = params['embedding']['kernel'].shape[-1]
   blocks = [k for k in params['Transformer'] if k.startswith('encoderblock_')]
   mlp = params['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'].shape[1]
-  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - 1
+  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - ('cls' in params)
   side = math.isqrt(tokens)
   grid = f'{side}x{side} patches ({side * patch} px)' if side**2 == tokens else f'{tokens} patches'
   classes = f'{params["head"]["kernel"].shape[1]} classes' if 'head' in params else 'no head'
@@ -216,8 +144,8 @@ def _check_against_registry(params: dict, model_name: str, source: str) -> None:
   model = models.get_model(
       model_name, num_classes=params['head']['kernel'].shape[1] if 'head' in params else 1,
       representation_size=None if representation is None else representation.shape[1])
-  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - 1
-  image_size = math.isqrt(tokens) * model.patch_size[0]
+  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - ('cls' in params)
+  image_size = math.isqrt(tokens) * model.patch_size[0] * model.stem_stride
   shapes = models.param_shapes(model, image_size)
   if 'head' not in params:
     shapes = {k: v for k, v in shapes.items() if k != 'head'}
