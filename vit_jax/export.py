@@ -1,0 +1,254 @@
+"""Exports a vit_jax model for timm, Hugging Face `transformers` or TensorFlow serving.
+
+    python -m vit_jax.export --checkpoint WORKDIR --format timm --out vit.safetensors
+    python -m vit_jax.export --checkpoint ViT-B_16.npz --model ViT-B_16 --format hf --out vit_hf
+    python -m vit_jax.export --checkpoint WORKDIR --format saved_model --out vit_saved_model
+
+`--checkpoint` is a training workdir (its `config.json` names the model) or an `.npz` (then
+`--model` names its registry model); the image size is the run's crop or the resolution of the
+position embeddings. Formats:
+- timm: one .safetensors with the state dict of timm's VisionTransformer (or, for hybrids, its
+  `vit_*_r*` models); the arguments that build the matching timm model are printed and kept in
+  the file's metadata (`timm_model`, `timm_model_args`).
+- hf: a directory that `ViTForImageClassification.from_pretrained` and the `image-classification`
+  pipeline read: `model.safetensors`, `config.json` (sizes, labels, `hidden_act` of the model's
+  GELU, LayerNorm epsilon 1e-6) and `preprocessor_config.json` (bilinear resize, [-1, 1]).
+- saved_model: a TensorFlow SavedModel made with jax2tf, serving `serving_default` (uint8
+  images) and `serving_float` (float32 pixel values in [0, 255]), both (B, H, W, 3) of any B, H,
+  W: resized bilinearly to the model's resolution, scaled to [-1, 1], giving {'logits': (B,
+  classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
+  model is lowered for CPU and CUDA GPUs.
+A model a format cannot represent (a GAP or pre-logits model for Hugging Face, per-token logits
+for timm...) is refused in one line that says why, before anything is written. An existing
+--out is never overwritten.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Optional
+
+import numpy as np
+import safetensors.numpy
+
+from vit_jax import predict
+from vit_jax import torch_layout
+from vit_jax import visualize
+
+FORMATS = ('timm', 'hf', 'saved_model')
+LAYOUTS = {'timm': torch_layout.TIMM, 'hf': torch_layout.HUGGING_FACE}
+# Platforms the SavedModel's XLA module is lowered for (jax2tf native serialization).
+SERVING_PLATFORMS = ('cpu', 'cuda')
+# timm's hybrid models, by (ResNet units per stage, hidden size).
+TIMM_HYBRIDS = {((), 192): 'vit_tiny_r_s16_p8_224', ((2, 2, 2, 2), 384): 'vit_small_r26_s32_224',
+                ((2, 2, 2, 2), 768): 'vit_base_r26_s32_224',
+                ((3, 4, 9), 768): 'vit_base_r50_s16_224',
+                ((3, 4, 6, 3), 1024): 'vit_large_r50_s32_224'}
+
+
+class ExportError(ValueError):
+  """The model cannot be represented in the requested format."""
+
+
+def _timm_hybrid(model) -> str:
+  units = tuple(model.resnet_layers)
+  name = TIMM_HYBRIDS.get((units, model.hidden_size))
+  if name is None or model.resnet_width_factor != 1:
+    raise ExportError(f'timm has no hybrid of ResNet units {units}, width factor '
+                      f'{model.resnet_width_factor} and hidden size {model.hidden_size}; its '
+                      f'hybrids are {sorted(TIMM_HYBRIDS.values())}: use --format saved_model.')
+  return name
+
+
+def check_exportable(model, format_name: str) -> None:
+  """An ExportError, saying why, if `format_name` cannot represent `model`."""
+  if format_name == 'timm':
+    if model.representation_size is not None:
+      raise ExportError("timm's VisionTransformer has no pre-logits (representation) layer, and "
+                        'the model has one: use --format saved_model.')
+    if model.classifier not in ('token', 'gap'):
+      raise ExportError(f"timm's ViT heads classify one pooled token; classifier="
+                        f"'{model.classifier}' gives per-token logits: use --format saved_model.")
+    if model.resnet_layers is not None:
+      _timm_hybrid(model)
+  elif format_name == 'hf':
+    reason = None
+    if model.classifier != 'token':
+      reason = f"classifies the class token, and classifier='{model.classifier}' has none"
+    elif model.representation_size is not None:
+      reason = "has no pre-logits layer (ViTModel's tanh pooler does not feed the classifier)"
+    elif model.resnet_layers is not None:
+      reason = 'has no ResNet stem'
+    if reason:
+      raise ExportError(f"Hugging Face's ViTForImageClassification {reason}: use --format timm "
+                        'or saved_model.')
+
+
+def timm_model_args(model, image_size: int) -> tuple[str, dict]:
+  """(timm model name or 'VisionTransformer', keyword arguments) that build the exported model."""
+  args = dict(img_size=image_size, num_classes=model.num_classes,
+              act_layer='gelu_tanh' if model.approximate_gelu else 'gelu')
+  if model.classifier == 'gap':  # Mean of the patch tokens after the final LayerNorm.
+    args.update(class_token=False, global_pool='avg', fc_norm=False)
+  if model.resnet_layers is not None:
+    return _timm_hybrid(model), args
+  patch = model.patch_size[0] if model.patch_size[0] == model.patch_size[1] else model.patch_size
+  return 'VisionTransformer', dict(
+      patch_size=patch, embed_dim=model.hidden_size, depth=model.num_layers,
+      num_heads=model.num_heads, mlp_ratio=model.mlp_dim / model.hidden_size, **args)
+
+
+def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
+  """The `config.json` of ViTForImageClassification (ViTConfig's fields) for `model`."""
+  return {
+      'architectures': ['ViTForImageClassification'], 'model_type': 'vit',
+      'hidden_size': model.hidden_size, 'num_hidden_layers': model.num_layers,
+      'num_attention_heads': model.num_heads, 'intermediate_size': model.mlp_dim,
+      # gelu_new is the tanh approximation, flax's nn.gelu(approximate=True); gelu is erf's.
+      'hidden_act': 'gelu_new' if model.approximate_gelu else 'gelu',
+      'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
+      'layer_norm_eps': 1e-6, 'image_size': image_size, 'patch_size': model.patch_size[0],
+      'num_channels': 3, 'qkv_bias': True, 'encoder_stride': model.patch_size[0],
+      'id2label': {str(i): name for i, name in enumerate(labels)},
+      'label2id': {name: i for i, name in enumerate(labels)}, 'torch_dtype': 'float32',
+  }
+
+
+def hugging_face_preprocessor(image_size: int) -> dict:
+  """ViTImageProcessor's settings for our preprocessing: bilinear resize, x / 127.5 - 1."""
+  return {'image_processor_type': 'ViTImageProcessor', 'do_resize': True,
+          'size': {'height': image_size, 'width': image_size}, 'resample': 2,  # PIL bilinear.
+          'do_rescale': True, 'rescale_factor': 1 / 255, 'do_normalize': True,
+          'image_mean': [0.5] * 3, 'image_std': [0.5] * 3}
+
+
+def state_dict(params: dict, format_name: str) -> dict[str, np.ndarray]:
+  """The float32 state dict, contiguous, of `params` for 'timm' or 'hf'."""
+  return {key: np.ascontiguousarray(value, np.float32)
+          for key, value in torch_layout.to_state_dict(params, LAYOUTS[format_name]).items()}
+
+
+def _write_json(value: dict, path: str) -> None:
+  with open(path, 'w') as f:
+    json.dump(value, f, indent=2)
+
+
+def write_timm(model, params, image_size: int, out: str, labels: list[str]) -> None:
+  del labels  # A timm state dict has no place for them.
+  name, args = timm_model_args(model, image_size)
+  safetensors.numpy.save_file(state_dict(params, 'timm'), out, metadata={
+      'format': 'pt', 'timm_model': name, 'timm_model_args': json.dumps(args)})
+
+
+def write_hugging_face(model, params, image_size: int, out: str, labels: list[str]) -> None:
+  os.makedirs(out)
+  safetensors.numpy.save_file(state_dict(params, 'hf'), os.path.join(out, 'model.safetensors'),
+                              metadata={'format': 'pt'})
+  _write_json(hugging_face_config(model, image_size, labels), os.path.join(out, 'config.json'))
+  _write_json(hugging_face_preprocessor(image_size),
+              os.path.join(out, 'preprocessor_config.json'))
+
+
+def serving_module(model, params, image_size: int):
+  """A tf.Module holding `params` as variables, with the uint8 and float serving functions."""
+  # pylint: disable=g-import-not-at-top (TensorFlow only for this format)
+  import tensorflow as tf
+  from jax.experimental import jax2tf
+  from vit_jax import input_pipeline
+  apply = jax2tf.convert(
+      lambda p, x: model.apply({'params': p}, x, train=False), with_gradient=False,
+      polymorphic_shapes=[None, f'(b, {image_size}, {image_size}, 3)'],
+      native_serialization_platforms=SERVING_PLATFORMS)
+  module = tf.Module()
+  module.params = tf.nest.map_structure(tf.Variable, params)
+
+  @tf.function(autograph=False)
+  def logits(images):
+    images = input_pipeline.to_unit_range(input_pipeline.resize(images, image_size))
+    return {'logits': apply(module.params, images)}
+
+  module.serving_default = logits.get_concrete_function(
+      tf.TensorSpec([None, None, None, 3], tf.uint8, name='images'))
+  module.serving_float = logits.get_concrete_function(
+      tf.TensorSpec([None, None, None, 3], tf.float32, name='images'))
+  return module
+
+
+def write_saved_model(model, params, image_size: int, out: str, labels: list[str]) -> None:
+  del labels
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  module = serving_module(model, params, image_size)
+  tf.saved_model.save(module, out, signatures={'serving_default': module.serving_default,
+                                               'serving_float': module.serving_float})
+
+
+def how_to_load(model, image_size: int, format_name: str, out: str) -> str:
+  """One line on loading the export at `out`."""
+  if format_name == 'hf':
+    return f'load it with ViTForImageClassification.from_pretrained({out!r})'
+  if format_name == 'saved_model':
+    return (f'serve tf.saved_model.load({out!r}).signatures["serving_default"] (uint8) or '
+            f'["serving_float"] (float32 in [0, 255]): images=(B, H, W, 3) -> logits '
+            f'(B, {model.num_classes})')
+  name, args = timm_model_args(model, image_size)
+  build = (f'timm.models.vision_transformer.VisionTransformer(**{args})'
+           if name == 'VisionTransformer' else f'timm.create_model({name!r}, **{args})')
+  return f'load it with model = {build}; model.load_state_dict(safetensors.torch.load_file({out!r}))'
+
+
+WRITERS = {'timm': write_timm, 'hf': write_hugging_face, 'saved_model': write_saved_model}
+
+
+def default_out(checkpoint_path: str, format_name: str) -> str:
+  """FILE.npz -> FILE_timm.safetensors, FILE_hf, FILE_saved_model; a workdir's inside it."""
+  base = (os.path.join(checkpoint_path, 'model') if os.path.isdir(checkpoint_path)
+          else os.path.splitext(checkpoint_path)[0])
+  return f'{base}_{format_name}' + ('.safetensors' if format_name == 'timm' else '')
+
+
+def export(model, params, image_size: int, format_name: str, out: str,
+           labels: list[str]) -> None:
+  """Writes `out` in a temporary directory beside it, and renames it there once complete."""
+  check_exportable(model, format_name)
+  parent = os.path.dirname(os.path.abspath(out))
+  os.makedirs(parent, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=parent, prefix='.export-') as tmp_dir:
+    tmp = os.path.join(tmp_dir, os.path.basename(out))
+    WRITERS[format_name](model, params, image_size, tmp, labels)
+    os.replace(tmp, out)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--checkpoint', required=True, help='training workdir or .npz checkpoint')
+  parser.add_argument('--format', required=True, choices=FORMATS)
+  parser.add_argument('--out', help='file (timm) or directory to write; must not exist. '
+                      'Default: next to the checkpoint, e.g. FILE_timm.safetensors')
+  parser.add_argument('--model', help='registry name of an .npz checkpoint, e.g. ViT-B_16')
+  parser.add_argument('--labels', help="class names for Hugging Face's config: 'imagenet2012' "
+                      'or a file with one per line; default: class indices')
+  return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  args = parse_args(argv)
+  out = args.out or default_out(args.checkpoint, args.format)
+  try:
+    if os.path.exists(out):
+      raise FileExistsError(f'{out} exists: pass another --out, or delete it first.')
+    model, params, image_size = visualize.load_model(args.checkpoint, args.model)
+    check_exportable(model, args.format)
+    labels = predict.load_labels(args.labels, model.num_classes)
+    export(model, params, image_size, args.format, out, labels)
+  except (ValueError, OSError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  print(f'Exported {args.checkpoint} ({image_size}x{image_size} px, {model.num_classes} classes) '
+        f'to {out}: {how_to_load(model, image_size, args.format, out)}.')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
