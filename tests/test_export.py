@@ -68,6 +68,8 @@ def export_and_convert_back(tmp_path, checkpoint_args, format_name, *convert_arg
   assert export.main([*checkpoint_args, '--format', format_name, '--out', out]) == 0
   weights = os.path.join(out, 'model.safetensors') if format_name == 'hf' else out
   assert convert.main([weights, str(tmp_path / 'back.npz'), *convert_args]) == 0
+  # The models use flax's tanh-approximate GELU (the default): recorded and read back.
+  assert checkpoint.load_model_overrides(tmp_path / 'back.npz') == {'approximate_gelu': True}
   return checkpoint.load(tmp_path / 'back.npz')
 
 
@@ -246,6 +248,7 @@ def test_refusal_and_existing_output_are_one_line_errors_that_write_nothing(gap,
 def test_default_output_is_beside_the_checkpoint(tmp_path):
   assert export.default_out('runs/vit.npz', 'timm') == 'runs/vit_timm.safetensors'
   assert export.default_out(str(tmp_path), 'hf') == f'{tmp_path}/model_hf'
+  assert export.default_out('vit.npz', 'tflite') == 'vit.tflite'
 
 
 # The SavedModel.
@@ -298,3 +301,15 @@ def test_saved_model_resizes_like_the_eval_pipeline(token, saved_model):
       [input_pipeline.preprocess_eval(tf.constant(x), pp).numpy() for x in images]))
   logits = saved_model.signatures['serving_default'](images=tf.constant(images))['logits']
   np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_tflite_gives_the_logits_of_model_apply_on_a_real_photo(token, tmp_path):
+  path, params = token
+  out = str(tmp_path / 'vit.tflite')
+  assert export.main(['--checkpoint', path, '--model', 'testing', '--format', 'tflite',
+                      '--out', out]) == 0
+  interpreter = tf.lite.Interpreter(model_path=out)
+  image = photos(SIZE)[:1]
+  logits = interpreter.get_signature_runner()(images=image)['logits']
+  expected = apply_logits(params, image.astype(np.float32) / 127.5 - 1)
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-6)

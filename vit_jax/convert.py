@@ -6,8 +6,10 @@ Reads a timm or Hugging Face `transformers` state dict from a local .safetensors
 needed) of a ViT: class token, or token mean (timm's `class_token=False, global_pool='avg',
 fc_norm=False`), learned position embeddings, pre-LayerNorm blocks, and for timm also the hybrid's
 ResNet-v2 stem. `vit_jax.torch_layout` holds the names and layouts; besides,
-- both use exact GELU, so the converted model must run with `approximate_gelu=False`: the
-  converter records it next to the output, in OUT.overrides.json, which
+- both use exact GELU, so the converted model must run with `approximate_gelu=False`, unless
+  the file records the tanh approximation as vit_jax.export writes it (timm: `act_layer` in the
+  metadata's `timm_model_args`; Hugging Face: `hidden_act` in the config.json beside it); the
+  converter records the choice next to the output, in OUT.overrides.json, which
   `checkpoint.load_model_overrides` and vit_jax.predict read;
 - timm's LayerNorm epsilon is ours, 1e-6; Hugging Face configs use 1e-12, which changes the
   outputs by a relative ~1e-6 for activations of unit variance.
@@ -15,6 +17,7 @@ The number of heads is not in the weights: give --model (a registry name, whose 
 checked) or --num_heads.
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -138,6 +141,19 @@ def describe(params: dict) -> str:
           + (', pre_logits' if 'pre_logits' in params else ''))
 
 
+def approximate_gelu(path: str) -> bool:
+  """Whether the weights of the .safetensors at `path` run with the tanh-approximate GELU."""
+  with safetensors.safe_open(path, 'numpy') as f:
+    metadata = f.metadata() or {}
+  if 'timm_model_args' in metadata:
+    return json.loads(metadata['timm_model_args']).get('act_layer') == torch_layout.TIMM_GELU[True]
+  config = os.path.join(os.path.dirname(path), 'config.json')
+  if not os.path.isfile(config):
+    return False
+  with open(config) as f:
+    return json.load(f).get('hidden_act') in torch_layout.HUGGING_FACE_TANH_GELUS
+
+
 def _check_against_registry(params: dict, model_name: str, source: str) -> None:
   """A CheckpointError, naming paths and shapes, unless `params` fit registry model `model_name`."""
   representation = params.get('pre_logits', {}).get('kernel')
@@ -157,7 +173,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
   parser.add_argument('output', help='the .npz to write (published layout); OUT.overrides.json '
-                      'next to it records approximate_gelu=False')
+                      'next to it records approximate_gelu')
   heads = parser.add_mutually_exclusive_group(required=True)
   heads.add_argument('--model', help='registry name (e.g. ViT-B_16): gives the number of heads '
                      'and checks every shape')
@@ -177,13 +193,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model:
       _check_against_registry(params, args.model, args.input)
     checkpoint.save(params, args.output, linen_names=args.linen_names)
-    checkpoint.save_model_overrides({'approximate_gelu': False}, args.output,
+    approximate = approximate_gelu(args.input)
+    checkpoint.save_model_overrides({'approximate_gelu': approximate}, args.output,
                                     note=f'Converted from the {layout} state dict {args.input}.')
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   print(f'Converted the {layout} state dict {args.input} ({describe(params)}, {num_heads} heads) '
-        f'to {args.output}. Run it with approximate_gelu=False (recorded in '
+        f'to {args.output}. Run it with approximate_gelu={approximate} (recorded in '
         f'{checkpoint.model_overrides_path(args.output)}).')
   return 0
 

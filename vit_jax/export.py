@@ -18,6 +18,9 @@ position embeddings. Formats:
   W: resized bilinearly to the model's resolution, scaled to [-1, 1], giving {'logits': (B,
   classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
   model is lowered for CPU and CUDA GPUs.
+- tflite: the uint8 function, converted by TFLite's converter with its built-in ops only, at a
+  fixed (1, size, size, 3): TFLite's converter cannot convert the polymorphic batch (taking the
+  class token becomes a `dynamic_gather`, which it does not support).
 A model a format cannot represent (a GAP or pre-logits model for Hugging Face, per-token logits
 for timm...) is refused in one line that says why, before anything is written. An existing
 --out is never overwritten.
@@ -36,7 +39,7 @@ from vit_jax import predict
 from vit_jax import torch_layout
 from vit_jax import visualize
 
-FORMATS = ('timm', 'hf', 'saved_model')
+FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
 LAYOUTS = {'timm': torch_layout.TIMM, 'hf': torch_layout.HUGGING_FACE}
 # Platforms the SavedModel's XLA module is lowered for (jax2tf native serialization).
 SERVING_PLATFORMS = ('cpu', 'cuda')
@@ -88,7 +91,7 @@ def check_exportable(model, format_name: str) -> None:
 def timm_model_args(model, image_size: int) -> tuple[str, dict]:
   """(timm model name or 'VisionTransformer', keyword arguments) that build the exported model."""
   args = dict(img_size=image_size, num_classes=model.num_classes,
-              act_layer='gelu_tanh' if model.approximate_gelu else 'gelu')
+              act_layer=torch_layout.TIMM_GELU[model.approximate_gelu])
   if model.classifier == 'gap':  # Mean of the patch tokens after the final LayerNorm.
     args.update(class_token=False, global_pool='avg', fc_norm=False)
   if model.resnet_layers is not None:
@@ -105,8 +108,7 @@ def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
       'architectures': ['ViTForImageClassification'], 'model_type': 'vit',
       'hidden_size': model.hidden_size, 'num_hidden_layers': model.num_layers,
       'num_attention_heads': model.num_heads, 'intermediate_size': model.mlp_dim,
-      # gelu_new is the tanh approximation, flax's nn.gelu(approximate=True); gelu is erf's.
-      'hidden_act': 'gelu_new' if model.approximate_gelu else 'gelu',
+      'hidden_act': torch_layout.HUGGING_FACE_GELU[model.approximate_gelu],
       'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
       'layer_norm_eps': 1e-6, 'image_size': image_size, 'patch_size': model.patch_size[0],
       'num_channels': 3, 'qkv_bias': True, 'encoder_stride': model.patch_size[0],
@@ -150,28 +152,35 @@ def write_hugging_face(model, params, image_size: int, out: str, labels: list[st
               os.path.join(out, 'preprocessor_config.json'))
 
 
-def serving_module(model, params, image_size: int):
-  """A tf.Module holding `params` as variables, with the uint8 and float serving functions."""
-  # pylint: disable=g-import-not-at-top (TensorFlow only for this format)
+def serving_module(model, params, image_size: int, batch_size: Optional[int] = None):
+  """A tf.Module holding `params` as variables, with the uint8 and float serving functions.
+
+  With `batch_size` None they take (B, H, W, 3) images of any B, H and W, lowered for
+  SERVING_PLATFORMS; otherwise (batch_size, image_size, image_size, 3), for the CPU alone (what
+  TFLite converts).
+  """
+  # pylint: disable=g-import-not-at-top (TensorFlow only for these formats)
   import tensorflow as tf
   from jax.experimental import jax2tf
   from vit_jax import input_pipeline
+  polymorphic = batch_size is None
   apply = jax2tf.convert(
       lambda p, x: model.apply({'params': p}, x, train=False), with_gradient=False,
-      polymorphic_shapes=[None, f'(b, {image_size}, {image_size}, 3)'],
-      native_serialization_platforms=SERVING_PLATFORMS)
+      polymorphic_shapes=[None, f'(b, {image_size}, {image_size}, 3)' if polymorphic else None],
+      native_serialization_platforms=SERVING_PLATFORMS if polymorphic else ('cpu',))
   module = tf.Module()
   module.params = tf.nest.map_structure(tf.Variable, params)
 
   @tf.function(autograph=False)
   def logits(images):
-    images = input_pipeline.to_unit_range(input_pipeline.resize(images, image_size))
-    return {'logits': apply(module.params, images)}
+    images = input_pipeline.resize(tf.cast(images, tf.float32), image_size)
+    return {'logits': apply(module.params, input_pipeline.to_unit_range(images))}
 
+  shape = [None, None, None, 3] if polymorphic else [batch_size, image_size, image_size, 3]
   module.serving_default = logits.get_concrete_function(
-      tf.TensorSpec([None, None, None, 3], tf.uint8, name='images'))
+      tf.TensorSpec(shape, tf.uint8, name='images'))
   module.serving_float = logits.get_concrete_function(
-      tf.TensorSpec([None, None, None, 3], tf.float32, name='images'))
+      tf.TensorSpec(shape, tf.float32, name='images'))
   return module
 
 
@@ -183,10 +192,23 @@ def write_saved_model(model, params, image_size: int, out: str, labels: list[str
                                                'serving_float': module.serving_float})
 
 
+def write_tflite(model, params, image_size: int, out: str, labels: list[str]) -> None:
+  """A TFLite flatbuffer of the uint8 serving function at batch size 1, TFLite's own ops only."""
+  del labels
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  module = serving_module(model, params, image_size, batch_size=1)
+  converter = tf.lite.TFLiteConverter.from_concrete_functions([module.serving_default], module)
+  with open(out, 'wb') as f:
+    f.write(converter.convert())
+
+
 def how_to_load(model, image_size: int, format_name: str, out: str) -> str:
   """One line on loading the export at `out`."""
   if format_name == 'hf':
     return f'load it with ViTForImageClassification.from_pretrained({out!r})'
+  if format_name == 'tflite':
+    return (f'run it with the TFLite interpreter: images=(1, {image_size}, {image_size}, 3) '
+            f'uint8 -> logits (1, {model.num_classes})')
   if format_name == 'saved_model':
     return (f'serve tf.saved_model.load({out!r}).signatures["serving_default"] (uint8) or '
             f'["serving_float"] (float32 in [0, 255]): images=(B, H, W, 3) -> logits '
@@ -194,17 +216,21 @@ def how_to_load(model, image_size: int, format_name: str, out: str) -> str:
   name, args = timm_model_args(model, image_size)
   build = (f'timm.models.vision_transformer.VisionTransformer(**{args})'
            if name == 'VisionTransformer' else f'timm.create_model({name!r}, **{args})')
-  return f'load it with model = {build}; model.load_state_dict(safetensors.torch.load_file({out!r}))'
+  return (f'load it with model = {build}; '
+          f'model.load_state_dict(safetensors.torch.load_file({out!r}))')
 
 
-WRITERS = {'timm': write_timm, 'hf': write_hugging_face, 'saved_model': write_saved_model}
+WRITERS = {'timm': write_timm, 'hf': write_hugging_face, 'saved_model': write_saved_model,
+           'tflite': write_tflite}
 
 
 def default_out(checkpoint_path: str, format_name: str) -> str:
-  """FILE.npz -> FILE_timm.safetensors, FILE_hf, FILE_saved_model; a workdir's inside it."""
+  """FILE.npz -> FILE_timm.safetensors, FILE_hf, FILE_saved_model, FILE.tflite; a workdir's
+  inside it, WORKDIR/model_timm.safetensors..."""
   base = (os.path.join(checkpoint_path, 'model') if os.path.isdir(checkpoint_path)
           else os.path.splitext(checkpoint_path)[0])
-  return f'{base}_{format_name}' + ('.safetensors' if format_name == 'timm' else '')
+  suffixes = {'timm': '_timm.safetensors', 'tflite': '.tflite'}
+  return base + suffixes.get(format_name, f'_{format_name}')
 
 
 def export(model, params, image_size: int, format_name: str, out: str,

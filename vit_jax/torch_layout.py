@@ -1,4 +1,4 @@
-"""Where each ViT parameter sits in timm's and Hugging Face's PyTorch state dicts, and in what layout.
+"""Where each ViT parameter sits, and in what layout, in timm's and Hugging Face's state dicts.
 
 One table serves both directions: `vit_jax.convert` reads state dicts through it and
 `vit_jax.export` writes them. The layouts differ from ours in that
@@ -21,12 +21,19 @@ TIMM = 'timm'
 HUGGING_FACE = 'Hugging Face'
 
 Path = tuple[str, ...]
+POS_EMBEDDING = ('Transformer', 'posembed_input', 'pos_embedding')
+# The GELU by `approximate_gelu`: timm's `act_layer`; Hugging Face's `hidden_act`, where
+# `gelu_new` and `gelu_pytorch_tanh` are both the tanh approximation (flax's default).
+TIMM_GELU = {False: 'gelu', True: 'gelu_tanh'}
+HUGGING_FACE_GELU = {False: 'gelu', True: 'gelu_new'}
+HUGGING_FACE_TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh')
 
 
 def _check_heads(rows: int, num_heads: int) -> int:
   if rows % num_heads:
-    raise checkpoint.CheckpointError(f'Hidden size {rows} is not divisible by num_heads={num_heads}: the '
-                     f'weights are not of a model with {num_heads} heads.')
+    raise checkpoint.CheckpointError(
+        f'Hidden size {rows} is not divisible by num_heads={num_heads}: the weights are not of a '
+        f'model with {num_heads} heads.')
   return num_heads
 
 
@@ -110,7 +117,8 @@ def _block(key: str, path: Path, attention: list[Tensor], names: dict[str, str])
 
 
 def _qkv_paths(path: Path, kind: str) -> tuple[Path, ...]:
-  return tuple(path + ('MultiHeadDotProductAttention_0', n, kind) for n in ('query', 'key', 'value'))
+  attention = path + ('MultiHeadDotProductAttention_0',)
+  return tuple(attention + (name, kind) for name in ('query', 'key', 'value'))
 
 
 def _timm_resnet(units: Sequence[int]) -> list[Tensor]:
@@ -135,7 +143,7 @@ def _timm(s: Structure) -> list[Tensor]:
   tensors = [] if s.resnet_units is None else _timm_resnet(s.resnet_units)
   tensors += _affine('patch_embed.proj', ('embedding',), 'conv')
   tensors += [Tensor('cls_token', (('cls',),))] if s.class_token else []
-  tensors += [Tensor('pos_embed', (('Transformer', 'posembed_input', 'pos_embedding'),))]
+  tensors += [Tensor('pos_embed', (POS_EMBEDDING,))]
   for i in range(s.num_layers):
     key, path = f'blocks.{i}.', ('Transformer', f'encoderblock_{i}')
     attention = [Tensor(key + 'attn.qkv.weight', _qkv_paths(path, 'kernel'), 'heads_in'),
@@ -153,7 +161,7 @@ def _hugging_face(s: Structure) -> list[Tensor]:
   e = 'vit.embeddings.'
   tensors = _affine(e + 'patch_embeddings.projection', ('embedding',), 'conv')
   tensors += [Tensor(e + 'cls_token', (('cls',),)),
-              Tensor(e + 'position_embeddings', (('Transformer', 'posembed_input', 'pos_embedding'),))]
+              Tensor(e + 'position_embeddings', (POS_EMBEDDING,))]
   for i in range(s.num_layers):
     key, path = f'vit.encoder.layer.{i}.', ('Transformer', f'encoderblock_{i}')
     attention = []
