@@ -17,7 +17,7 @@ position embeddings. Formats:
   images) and `serving_float` (float32 pixel values in [0, 255]), both (B, H, W, 3) of any B, H,
   W: resized bilinearly to the model's resolution, scaled to [-1, 1], giving {'logits': (B,
   classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
-  model is lowered for CPU and CUDA GPUs.
+  model is lowered for CPU, CUDA GPUs and TPUs.
 - tflite: the uint8 function, converted by TFLite's converter with its built-in ops only, at a
   fixed (1, size, size, 3): TFLite's converter cannot convert the polymorphic batch (taking the
   class token becomes a `dynamic_gather`, which it does not support).
@@ -42,7 +42,7 @@ from vit_jax import visualize
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
 LAYOUTS = {'timm': torch_layout.TIMM, 'hf': torch_layout.HUGGING_FACE}
 # Platforms the SavedModel's XLA module is lowered for (jax2tf native serialization).
-SERVING_PLATFORMS = ('cpu', 'cuda')
+SERVING_PLATFORMS = ('cpu', 'cuda', 'tpu')
 # timm's hybrid models, by (ResNet units per stage, hidden size).
 TIMM_HYBRIDS = {((), 192): 'vit_tiny_r_s16_p8_224', ((2, 2, 2, 2), 384): 'vit_small_r26_s32_224',
                 ((2, 2, 2, 2), 768): 'vit_base_r26_s32_224',
