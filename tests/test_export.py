@@ -88,6 +88,18 @@ def test_gap_workdir_exports_to_timm_and_converts_back_bit_for_bit(gap, tmp_path
   assert_same_tree(back, params)
 
 
+def test_registry_hybrid_exports_as_its_timm_model_and_converts_back_bit_for_bit(tmp_path):
+  params = random_params(models.get_model('R+ViT-Ti_16', num_classes=CLASSES), SIZE)
+  checkpoint.save(params, tmp_path / 'hybrid.npz')
+  model_args = ['--model', 'R+ViT-Ti_16']
+  back = export_and_convert_back(tmp_path, ['--checkpoint', str(tmp_path / 'hybrid.npz'),
+                                            *model_args], 'timm', *model_args)
+  assert_same_tree(back, params)
+  with safetensors.safe_open(tmp_path / 'export_timm', 'numpy') as f:
+    assert f.metadata()['timm_model'] == 'vit_tiny_r_s16_p8_224'
+    assert 'patch_embed.backbone.conv.weight' in f.keys()  # timm's stem-only backbone.
+
+
 def test_hybrid_state_dict_converts_back_bit_for_bit():
   # A small hybrid: ResNet stages of 1 and 2 units at width 32 (stride 8), 1x1 patches.
   model = models.get_model('testing', num_classes=CLASSES, resnet_layers=(1, 2),
