@@ -255,6 +255,9 @@ def test_refusal_and_existing_output_are_one_line_errors_that_write_nothing(gap,
                       '--out', str(tmp_path / 'mine.safetensors')]) == 1
   assert 'mine.safetensors exists: pass another --out' in capsys.readouterr().err
   assert (tmp_path / 'mine.safetensors').read_text() == 'precious'
+  assert export.main(['--checkpoint', workdir, '--format', 'timm', '--labels', 'imagenet2012',
+                      '--out', str(tmp_path / 'new.safetensors')]) == 1
+  assert '--format timm has no place for class names: drop --labels' in capsys.readouterr().err
 
 
 def test_default_output_is_beside_the_checkpoint(tmp_path):

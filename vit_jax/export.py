@@ -35,6 +35,7 @@ from typing import Optional
 import numpy as np
 import safetensors.numpy
 
+from vit_jax import models_vit
 from vit_jax import predict
 from vit_jax import torch_layout
 from vit_jax import visualize
@@ -110,8 +111,8 @@ def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
       'num_attention_heads': model.num_heads, 'intermediate_size': model.mlp_dim,
       'hidden_act': torch_layout.HUGGING_FACE_GELU[model.approximate_gelu],
       'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
-      'layer_norm_eps': 1e-6, 'image_size': image_size, 'patch_size': model.patch_size[0],
-      'num_channels': 3, 'qkv_bias': True, 'encoder_stride': model.patch_size[0],
+      'layer_norm_eps': models_vit.LAYERNORM_EPS, 'image_size': image_size,
+      'patch_size': model.patch_size[0], 'num_channels': 3, 'qkv_bias': True, 'encoder_stride': model.patch_size[0],
       'id2label': {str(i): name for i, name in enumerate(labels)},
       'label2id': {name: i for i, name in enumerate(labels)}, 'torch_dtype': 'float32',
   }
@@ -250,7 +251,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True, help='training workdir or .npz checkpoint')
   parser.add_argument('--format', required=True, choices=FORMATS)
-  parser.add_argument('--out', help='file (timm) or directory to write; must not exist. '
+  parser.add_argument('--out', help='file (timm, tflite) or directory to write; must not exist. '
                       'Default: next to the checkpoint, e.g. FILE_timm.safetensors')
   parser.add_argument('--model', help='registry name of an .npz checkpoint, e.g. ViT-B_16')
   parser.add_argument('--labels', help="class names for Hugging Face's config: 'imagenet2012' "
@@ -264,8 +265,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   try:
     if os.path.exists(out):
       raise FileExistsError(f'{out} exists: pass another --out, or delete it first.')
+    if args.labels and args.format != 'hf':
+      raise ValueError(f'--labels goes into Hugging Face\'s config.json only; --format '
+                       f'{args.format} has no place for class names: drop --labels.')
     model, params, image_size = visualize.load_model(args.checkpoint, args.model)
-    check_exportable(model, args.format)
     labels = predict.load_labels(args.labels, model.num_classes)
     export(model, params, image_size, args.format, out, labels)
   except (ValueError, OSError) as e:
