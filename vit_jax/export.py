@@ -112,7 +112,8 @@ def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
       'hidden_act': torch_layout.HUGGING_FACE_GELU[model.approximate_gelu],
       'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
       'layer_norm_eps': models_vit.LAYERNORM_EPS, 'image_size': image_size,
-      'patch_size': model.patch_size[0], 'num_channels': 3, 'qkv_bias': True, 'encoder_stride': model.patch_size[0],
+      'patch_size': model.patch_size[0], 'num_channels': 3, 'qkv_bias': True,
+      'encoder_stride': model.patch_size[0],
       'id2label': {str(i): name for i, name in enumerate(labels)},
       'label2id': {name: i for i, name in enumerate(labels)}, 'torch_dtype': 'float32',
   }
