@@ -109,8 +109,7 @@ def _block(key: str, path: Path, attention: list[Tensor], names: dict[str, str])
   mlp = path + ('MlpBlock_0',)
   out = path + ('MultiHeadDotProductAttention_0', 'out')
   return (_norm(key + names['norm1'], path + ('LayerNorm_0',)) + attention
-          + [Tensor(f'{key}{names["proj"]}.weight', (out + ('kernel',),), 'heads_out'),
-             Tensor(f'{key}{names["proj"]}.bias', (out + ('bias',),))]
+          + _affine(key + names['proj'], out, 'heads_out')
           + _norm(key + names['norm2'], path + ('LayerNorm_1',))
           + _affine(key + names['fc1'], mlp + ('Dense_0',))
           + _affine(key + names['fc2'], mlp + ('Dense_1',)))
