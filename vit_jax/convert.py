@@ -45,24 +45,35 @@ class StateDict:
   def __contains__(self, key: str) -> bool:
     return key in self.tensors
 
-  def take(self, key: str) -> np.ndarray:
+  def take(self, key: str, ndim: int) -> np.ndarray:
+    """The tensor `key`, float32, which must have `ndim` dimensions."""
     if key not in self.tensors:
       raise checkpoint.CheckpointError(
           f'{self.source} has no {key!r}: only plain ViTs (class token, learned position '
           'embeddings, pre-LayerNorm blocks) convert.')
-    return np.asarray(self.tensors.pop(key), np.float32)
+    tensor = np.asarray(self.tensors.pop(key), np.float32)
+    if tensor.ndim != ndim:
+      raise checkpoint.CheckpointError(
+          f'{self.source}: {key} has shape {tensor.shape}, where a plain ViT has a tensor of '
+          f'{ndim} dimensions: the file is damaged or holds another architecture.')
+    return tensor
 
   def take_dense(self, prefix: str) -> dict[str, np.ndarray]:
     """A torch Linear (out, in) as a Dense {'kernel': (in, out), 'bias': (out,)}."""
-    return {'kernel': self.take(f'{prefix}.weight').T, 'bias': self.take(f'{prefix}.bias')}
+    weight, bias = self.take(f'{prefix}.weight', 2), self.take(f'{prefix}.bias', 1)
+    if bias.shape[0] != weight.shape[0]:
+      raise checkpoint.CheckpointError(
+          f'{self.source}: {prefix}.weight has {weight.shape[0]} outputs but {prefix}.bias '
+          f'{bias.shape[0]} entries: the file is damaged or holds another architecture.')
+    return {'kernel': weight.T, 'bias': bias}
 
   def take_layer_norm(self, prefix: str) -> dict[str, np.ndarray]:
-    return {'scale': self.take(f'{prefix}.weight'), 'bias': self.take(f'{prefix}.bias')}
+    return {'scale': self.take(f'{prefix}.weight', 1), 'bias': self.take(f'{prefix}.bias', 1)}
 
   def take_patch_embedding(self, prefix: str) -> dict[str, np.ndarray]:
     """The (D, C, P, P) convolution as our (P, P, C, D) kernel."""
-    return {'kernel': self.take(f'{prefix}.weight').transpose(2, 3, 1, 0),
-            'bias': self.take(f'{prefix}.bias')}
+    return {'kernel': self.take(f'{prefix}.weight', 4).transpose(2, 3, 1, 0),
+            'bias': self.take(f'{prefix}.bias', 1)}
 
   def count_blocks(self, prefix: str) -> int:
     """Number of `{prefix}{i}.` blocks; 0 when there are none."""
@@ -79,12 +90,18 @@ class StateDict:
           'Only plain ViTs (class token, learned position embeddings) convert.')
 
 
+def check_heads(size: int, num_heads: int, what: str) -> None:
+  """A CheckpointError unless `size` features of `what` split into `num_heads` heads."""
+  if size % num_heads:
+    raise checkpoint.CheckpointError(f'{what} {size} is not divisible by num_heads={num_heads}: '
+                                     f'the weights are not of a model with {num_heads} heads.')
+
+
 def split_heads(dense: dict[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
   """A query/key/value Dense, kernel (D, N*K), bias (N*K,) -> kernel (D, N, K), bias (N, K)."""
-  d = dense['kernel'].shape[0]
-  if d % num_heads:
-    raise checkpoint.CheckpointError(f'Hidden size {d} is not divisible by num_heads={num_heads}: '
-                                     f'the weights are not of a model with {num_heads} heads.')
+  d, features = dense['kernel'].shape
+  check_heads(d, num_heads, 'Hidden size')
+  check_heads(features, num_heads, 'Query/key/value size')
   return {'kernel': dense['kernel'].reshape(d, num_heads, -1),
           'bias': dense['bias'].reshape(num_heads, -1)}
 
@@ -92,6 +109,7 @@ def split_heads(dense: dict[str, np.ndarray], num_heads: int) -> dict[str, np.nd
 def merge_heads(dense: dict[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
   """The attention's output Dense, kernel (N*K, D) -> kernel (N, K, D); bias (D,) as it is."""
   kernel = dense['kernel']
+  check_heads(kernel.shape[0], num_heads, 'Attention output input size')
   return {'kernel': kernel.reshape(num_heads, -1, kernel.shape[1]), 'bias': dense['bias']}
 
 
@@ -106,6 +124,10 @@ def encoder_block(ln0, qkv, out, ln1, fc1, fc2, num_heads: int) -> dict:
 
 def _split_fused_qkv(dense: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
   """timm's fused qkv Dense, kernel (D, 3D), into the query, key and value Denses."""
+  if dense['kernel'].shape[1] % 3:
+    raise checkpoint.CheckpointError(
+        f'A fused attn.qkv weight has {dense["kernel"].shape[1]} outputs, which do not split into '
+        'query, key and value: the file is damaged or holds another architecture.')
   kernels = np.split(dense['kernel'], 3, axis=1)
   biases = np.split(dense['bias'], 3)
   return [{'kernel': k, 'bias': b} for k, b in zip(kernels, biases)]
@@ -121,8 +143,8 @@ def _from_timm(sd: StateDict, num_heads: int) -> dict:
         sd.take_dense(b + 'mlp.fc1'), sd.take_dense(b + 'mlp.fc2'), num_heads)
   params = {
       'embedding': sd.take_patch_embedding('patch_embed.proj'),
-      'cls': sd.take('cls_token'),
-      'Transformer': {'posembed_input': {'pos_embedding': sd.take('pos_embed')},
+      'cls': sd.take('cls_token', 3),
+      'Transformer': {'posembed_input': {'pos_embedding': sd.take('pos_embed', 3)},
                       'encoder_norm': sd.take_layer_norm('norm'), **blocks},
   }
   if 'pre_logits.fc.weight' in sd:
@@ -143,9 +165,9 @@ def _from_hugging_face(sd: StateDict, num_heads: int) -> dict:
         sd.take_dense(b + 'intermediate.dense'), sd.take_dense(b + 'output.dense'), num_heads)
   params = {
       'embedding': sd.take_patch_embedding('embeddings.patch_embeddings.projection'),
-      'cls': sd.take('embeddings.cls_token'),
+      'cls': sd.take('embeddings.cls_token', 3),
       'Transformer': {
-          'posembed_input': {'pos_embedding': sd.take('embeddings.position_embeddings')},
+          'posembed_input': {'pos_embedding': sd.take('embeddings.position_embeddings', 3)},
           'encoder_norm': sd.take_layer_norm('layernorm'), **blocks},
   }
   if 'pooler.dense.weight' in sd:  # tanh(Dense(class token)): the published pre_logits.
@@ -173,7 +195,13 @@ def convert_state_dict(tensors: dict[str, np.ndarray], num_heads: int,
 
   Every tensor must find its place: leftovers (layer scale, a `fc_norm`, a mask token...) are an
   error, not silently dropped. `head` and `pre_logits` appear only when the state dict has them.
+  Tensors of unexpected ranks and non-finite values are errors too.
   """
+  damaged = sorted(key for key, value in tensors.items() if not np.isfinite(value).all())
+  if damaged:
+    listed = ', '.join(damaged[:4]) + (f' and {len(damaged) - 4} more' if len(damaged) > 4 else '')
+    raise checkpoint.CheckpointError(f'{source} has NaN or infinite values in {listed}: the '
+                                     'weights are damaged; convert an intact copy.')
   layout = detect_layout(tensors, source)
   if layout == TIMM:
     sd = StateDict(tensors, source)
