@@ -101,7 +101,8 @@ def test_bad_config_is_reported_in_one_line(tmp_path):
   assert status == 1
   assert log.strip().splitlines()[-1] == (
       'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
-      'config.accum_steps=1: make it a multiple of 8.')
+      'config.accum_steps=1: make it a multiple of 8. config.batch_eval=100 is not divisible by '
+      '8 data-parallel devices: make it a multiple of 8.')
 
 
 def run_command_line(*args):
