@@ -5,10 +5,11 @@ from configs import models
 
 
 def get_config() -> ml_collections.ConfigDict:
+  """The defaults; FIELD_HELP (below) says what each field means."""
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  # Data: the embedded dataset, a tfds name, or an image folder DIR/{train,test}/{class}/*.
+  # Data.
   config.dataset = 'fashion_mnist_embedded'
   config.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   config.tfds_manual_dir = ml_collections.FieldReference(None, field_type=str)
@@ -18,11 +19,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.shuffle_buffer = 50_000
   config.prefetch = 2
   config.pp = ml_collections.ConfigDict({
-      'crop': 224,  # Model resolution in pixels.
-      'resize': ml_collections.FieldReference(None, field_type=int),  # Eval: short side first.
+      'crop': 224,
+      'resize': ml_collections.FieldReference(None, field_type=int),
       'flip': True,
       'inception_crop': True,
-      'area_min': 0.05,  # Inception crop: smallest fraction of the image area kept.
+      'area_min': 0.05,
   })
 
   # Model: a registry name (see vit_jax.models.MODEL_CONFIGS) or a registry-style config.
@@ -38,24 +39,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.pretrained_keep_head = False  # True: keep the file's head (same classes).
 
   # Optimisation.
-  config.batch = 512  # Global batch.
+  config.batch = 512
   config.batch_eval = 512
-  config.accum_steps = 1  # Gradient accumulation: micro-batches per update.
+  config.accum_steps = 1
   config.total_steps = 10_000
   config.warmup_steps = 500
-  config.optimizer = 'sgd'  # 'sgd' (momentum, bfloat16 accumulator) or 'adamw'.
+  config.optimizer = 'sgd'
   config.base_lr = 0.03
   config.min_lr = 0.0
-  config.decay_type = 'cosine'  # 'cosine' or 'linear'.
+  config.decay_type = 'cosine'
   config.momentum = 0.9
-  config.weight_decay = 0.0  # AdamW's decoupled weight decay.
+  config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
 
-  # Devices: a ('data', 'model') mesh; data=-1 takes all devices the model axis leaves.
+  # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
+  # vit_jax/sharding.py).
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
-  # Layout of params and optimiser state: 'data', 'fsdp', 'tensor' or 'fsdp+tensor' (see
-  # vit_jax/sharding.py); `tensor` maps these logical axes to mesh axes.
   config.sharding = 'data'
   config.logical_axis_rules = [('heads', 'model'), ('mlp', 'model')]
 

@@ -25,7 +25,7 @@ from configs import common
 from vit_jax import hardware
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
-HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?')  # absl's, which would exit with status 1.
+HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?', 'h')  # absl's exit with status 1; -h is none.
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for multi-process runs that JAX does not detect '
                     'by itself (env JAX_COORDINATOR_ADDRESS).')
