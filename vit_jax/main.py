@@ -25,7 +25,8 @@ from configs import common
 from vit_jax import hardware
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
-HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?', 'h')  # absl's exit with status 1; -h is none.
+# Flags that ask for help: absl's (which would exit with status 1), and -h.
+HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?', 'h')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for multi-process runs that JAX does not detect '
                     'by itself (env JAX_COORDINATOR_ADDRESS).')
@@ -73,7 +74,9 @@ def define_config_flag() -> None:
 
 def load_config(argv: list[str]) -> ml_collections.ConfigDict:
   """The config that --config in `argv` names (or the default), without the overrides."""
-  given = [arg.split('=', 1)[1] for arg in argv if re.match(r'--?config=', arg)]
+  given = [arg.split('=', 1)[1] if '=' in arg else following  # --config=FILE or --config FILE.
+           for arg, following in zip(argv, argv[1:] + [''])
+           if re.fullmatch(r'--?config(=.*)?', arg)]
   parser = config_flags.config_flags.ConfigFileFlagParser('config')
   return parser.parse(given[-1] if given else DEFAULT_CONFIG)
 
