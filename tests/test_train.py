@@ -217,6 +217,7 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
     (dict(base_lr=0.0), r'config.base_lr=0.0 must be greater than 0'),
     (dict(mesh=dict(data=-1, model=3)), r'config.mesh.model=3 does not divide the 8 devices'),
     (dict(mesh=dict(data=-1, model=0)), r'config.mesh.model=0 must be greater than 0'),
+    (dict(shuffle_buffer=0), r'config.shuffle_buffer=0 must be greater than 0'),
     (dict(batch=60, batch_eval=100),
      r'config.batch=60 is not divisible by 8 .*make it a multiple of 8. '
      r'config.batch_eval=100 is not divisible by 8 data-parallel devices'),

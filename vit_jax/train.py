@@ -103,7 +103,8 @@ def fits_devices(config: ml_collections.ConfigDict, num_devices: int) -> bool:
 
 # Fields that count (steps, examples, devices) or scale something, so must be above 0.
 POSITIVE_FIELDS = ('total_steps', 'batch', 'batch_eval', 'accum_steps', 'progress_every',
-                   'eval_every', 'checkpoint_every', 'base_lr', 'mesh.model')
+                   'eval_every', 'checkpoint_every', 'base_lr', 'mesh.model', 'pp.crop',
+                   'shuffle_buffer')
 
 
 def values_error(config: ml_collections.ConfigDict) -> str | None:
