@@ -5,10 +5,11 @@ from configs import models
 
 
 def get_config() -> ml_collections.ConfigDict:
+  """The defaults; FIELD_HELP (below) says what each field means."""
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  # Data: the embedded dataset, a tfds name, or an image folder DIR/{train,test}/{class}/*.
+  # Data.
   config.dataset = 'fashion_mnist_embedded'
   config.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   config.tfds_manual_dir = ml_collections.FieldReference(None, field_type=str)
@@ -18,11 +19,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.shuffle_buffer = 50_000
   config.prefetch = 2
   config.pp = ml_collections.ConfigDict({
-      'crop': 224,  # Model resolution in pixels.
-      'resize': ml_collections.FieldReference(None, field_type=int),  # Eval: short side first.
+      'crop': 224,
+      'resize': ml_collections.FieldReference(None, field_type=int),
       'flip': True,
       'inception_crop': True,
-      'area_min': 0.05,  # Inception crop: smallest fraction of the image area kept.
+      'area_min': 0.05,
   })
 
   # Model: a registry name (see vit_jax.models.MODEL_CONFIGS) or a registry-style config.
@@ -38,24 +39,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.pretrained_keep_head = False  # True: keep the file's head (same classes).
 
   # Optimisation.
-  config.batch = 512  # Global batch.
+  config.batch = 512
   config.batch_eval = 512
-  config.accum_steps = 1  # Gradient accumulation: micro-batches per update.
+  config.accum_steps = 1
   config.total_steps = 10_000
   config.warmup_steps = 500
-  config.optimizer = 'sgd'  # 'sgd' (momentum, bfloat16 accumulator) or 'adamw'.
+  config.optimizer = 'sgd'
   config.base_lr = 0.03
   config.min_lr = 0.0
-  config.decay_type = 'cosine'  # 'cosine' or 'linear'.
+  config.decay_type = 'cosine'
   config.momentum = 0.9
-  config.weight_decay = 0.0  # AdamW's decoupled weight decay.
+  config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
 
-  # Devices: a ('data', 'model') mesh; data=-1 takes all devices the model axis leaves.
+  # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
+  # vit_jax/sharding.py).
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
-  # Layout of params and optimiser state: 'data', 'fsdp', 'tensor' or 'fsdp+tensor' (see
-  # vit_jax/sharding.py); `tensor` maps these logical axes to mesh axes.
   config.sharding = 'data'
   config.logical_axis_rules = [('heads', 'model'), ('mlp', 'model')]
 
@@ -76,3 +76,57 @@ def with_model(config: ml_collections.ConfigDict, model_name: str) -> ml_collect
   if model_name in models.MODEL_CONFIGS:
     config.model = models.MODEL_CONFIGS[model_name].copy_and_resolve_references()
   return config
+
+
+# One line on each field, in the order `python -m vit_jax.main --help` lists them.
+FIELD_HELP = {
+    'seed': 'Seed of the initial params, the data order and the augmentation.',
+    'dataset': "'fashion_mnist_embedded', a tfds name, or an image folder DIR with "
+               'DIR/{train,test}/<class>/*.',
+    'tfds_data_dir': 'Where tfds datasets are (or get) prepared; None: tfds default.',
+    'tfds_manual_dir': 'Where the manually downloaded files of a tfds dataset are.',
+    'train_split': "Split string to train on, e.g. 'train[:98%]'.",
+    'test_split': "Split string to evaluate on, e.g. 'test'.",
+    'skip_bad_images': 'Image folders: skip (and count) files that do not decode, instead of '
+                       'stopping.',
+    'shuffle_buffer': 'tfds datasets: records in the shuffle buffer.',
+    'prefetch': 'Batches prepared ahead of the step.',
+    'pp.crop': 'Model resolution in pixels (a multiple of the patch size).',
+    'pp.resize': 'Evaluation: resize the short side to this, then crop the centre; None: '
+                 'resize to pp.crop.',
+    'pp.flip': 'Training: random horizontal flips.',
+    'pp.inception_crop': 'Training: random-area, random-aspect crops (the paper), or whole '
+                         'images.',
+    'pp.area_min': 'Inception crop: the smallest fraction of the image area kept.',
+    'model_name': 'Registry model (vit_jax.models.MODEL_CONFIGS) that fills config.model; '
+                  'override its fields as --config.model.hidden_size=...',
+    'dtype': "Computation dtype, 'float32' or 'bfloat16'; params stay float32.",
+    'scan_layers': 'Run the blocks as one nn.scan: compile time independent of depth.',
+    'remat_policy': 'Rematerialise blocks under this jax.checkpoint policy, e.g. '
+                    "'nothing_saveable'; None: off.",
+    'pretrained_path': 'Fine-tune from this .npz checkpoint or training workdir.',
+    'posemb_method': "How pretrained position embeddings are resized: 'bilinear', ...",
+    'pretrained_keep_head': "Keep the checkpoint's head (same classes) instead of a new one.",
+    'batch': 'Global batch: examples per update, over all devices.',
+    'batch_eval': 'Global batch of evaluation.',
+    'accum_steps': 'Micro-batches per update (gradient accumulation); divides batch.',
+    'total_steps': 'Updates to train for.',
+    'warmup_steps': 'Updates of linear learning-rate warmup from 0.',
+    'optimizer': "'sgd' (momentum, bfloat16 accumulator) or 'adamw'.",
+    'base_lr': 'Peak learning rate, reached after warmup.',
+    'min_lr': 'Learning rate at the end of the decay.',
+    'decay_type': "Learning-rate decay after warmup: 'cosine' or 'linear'.",
+    'momentum': 'SGD momentum.',
+    'weight_decay': "AdamW's decoupled weight decay, on kernels.",
+    'grad_clip_norm': 'Clip gradients to this global norm.',
+    'label_smoothing': 'Label smoothing of the training loss.',
+    'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
+    'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
+    'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
+                "'fsdp+tensor'.",
+    'logical_axis_rules': "(logical axis, mesh axis) pairs of 'tensor' sharding.",
+    'progress_every': 'Log the loss and speed every this many steps.',
+    'eval_every': 'Evaluate on the test split every this many steps, and at the end.',
+    'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',
+    'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints.',
+}

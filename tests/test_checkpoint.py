@@ -274,9 +274,10 @@ def test_model_overrides_are_recorded_next_to_the_checkpoint(tmp_path):
   checkpoint.save_model_overrides({'approximate_gelu': False}, path, note='from timm')
   assert os.path.isfile(tmp_path / 'model.overrides.json')
   assert checkpoint.load_model_overrides(path) == {'approximate_gelu': False}
-  (tmp_path / 'model.overrides.json').write_text('{"approximate')
-  with pytest.raises(ValueError, match=r'model.overrides.json is not a model-overrides record'):
-    checkpoint.load_model_overrides(path)
+  for damaged in ('{"approximate', '["approximate_gelu"]', '{"model_overrides": [false]}'):
+    (tmp_path / 'model.overrides.json').write_text(damaged)
+    with pytest.raises(ValueError, match=r'model.overrides.json is not a model-overrides record'):
+      checkpoint.load_model_overrides(path)
 
 
 def test_scan_then_unscan_is_exact():

@@ -219,3 +219,38 @@ def test_cli_reports_missing_and_invalid_files(tmp_path, capsys):
   (tmp_path / 'junk.safetensors').write_text('junk')
   assert convert.main([str(tmp_path / 'junk.safetensors'), out, '--num_heads', '3']) == 1
   assert f'{tmp_path}/junk.safetensors is not a valid .safetensors file' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('key,value,message', [
+    ('blocks.0.attn.proj.weight', np.ones((D, D, 1), np.float32),
+     r'blocks.0.attn.proj.weight has shape \(12, 12, 1\), where a plain ViT has a tensor of 2 '),
+    ('patch_embed.proj.weight', np.ones((D, 3, P), np.float32),
+     r'patch_embed.proj.weight has shape \(12, 3, 4\), where a plain ViT has a tensor of 4 '),
+    ('blocks.1.mlp.fc1.bias', np.ones(M + 1, np.float32),
+     r'blocks.1.mlp.fc1.weight has 20 outputs but blocks.1.mlp.fc1.bias 21 entries'),
+    ('blocks.0.attn.qkv.weight', np.ones((3 * D + 1, D), np.float32),
+     r'attn.qkv weight has 37 outputs, which do not split into query, key and value'),
+    ('blocks.0.attn.proj.weight', np.ones((D, D + 1), np.float32),
+     r'Attention output input size 13 is not divisible by num_heads=3'),
+])
+def test_tensors_of_wrong_shapes_are_named(key, value, message):
+  sd = timm_state_dict(torch_weights())
+  sd[key] = value
+  if key.endswith('qkv.weight'):
+    sd['blocks.0.attn.qkv.bias'] = np.ones(3 * D + 1, np.float32)
+  with pytest.raises(checkpoint.CheckpointError, match=message) as error:
+    convert.convert_state_dict(sd, num_heads=N)
+  assert '\n' not in str(error.value)
+
+
+def test_nan_weights_are_an_error(tmp_path, capsys):
+  sd = timm_state_dict(torch_weights())
+  sd['blocks.1.mlp.fc2.weight'][0, 0] = np.nan
+  sd['pos_embed'][0, 0, 0] = np.inf
+  path = str(tmp_path / 'nan.safetensors')
+  safetensors.numpy.save_file(sd, path)
+  assert convert.main([path, str(tmp_path / 'out.npz'), '--num_heads', str(N)]) == 1
+  assert capsys.readouterr().err == (
+      f'error: {path} has NaN or infinite values in blocks.1.mlp.fc2.weight, pos_embed: the '
+      'weights are damaged; convert an intact copy.\n')
+  assert not (tmp_path / 'out.npz').exists()

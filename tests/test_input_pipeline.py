@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import shutil
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -89,12 +90,13 @@ def tfds_config_factory(tmp_path_factory):
 
 
 def write_folder(root, split, per_class, ext='png'):
-  """Writes `per_class` embedded images of each of FOLDER_CLASSES to root/split/<class>/."""
+  """Writes `per_class` embedded images of each of FOLDER_CLASSES to root/split/<class>/, in a
+  lossless format."""
   for name, class_id in zip(FOLDER_CLASSES, FOLDER_CLASS_IDS):
     os.makedirs(root / split / name, exist_ok=True)
     images = EMBEDDED[f'{split}_images'][EMBEDDED[f'{split}_labels'] == class_id][:per_class]
     for i, image in enumerate(images):
-      Image.fromarray(image).save(root / split / name / f'{i}.{ext}')
+      Image.fromarray(image).save(root / split / name / f'{i}.{ext}', lossless=True)
 
 
 @pytest.fixture(scope='module')
@@ -173,6 +175,24 @@ def test_folder_labels_follow_sorted_class_folders(folder):
           for image, label, real in zip(b['image'], b['label'], b['mask']) if real]
   assert len(seen) == 6
   assert all(stored[image] == label for image, label in seen)
+
+
+def test_folder_reads_bmp_gif_and_webp_and_counts_the_files_it_ignores(tmp_path, caplog):
+  write_folder(tmp_path, 'train', 1)
+  for ext in ('bmp', 'gif', 'webp'):
+    write_folder(tmp_path, 'test', 1, ext=ext)
+  (tmp_path / 'test' / 'bag' / 'notes.txt').write_text('not an image')
+  (tmp_path / 'test' / 'coat' / '0.tiff').write_bytes(b'')
+  config = make_config(dataset=str(tmp_path), batch_eval=3)
+  with caplog.at_level(logging.WARNING):
+    assert ip.get_dataset_info(config).num_test == 9
+  assert f'Ignoring 2 file(s) in {tmp_path}/test' in caplog.text
+  assert '1 .txt, 1 .tiff' in caplog.text or '1 .tiff, 1 .txt' in caplog.text
+  first_of_each_class = [EMBEDDED['test_images'][EMBEDDED['test_labels'] == c][0]
+                         for c in FOLDER_CLASS_IDS]
+  stored = collections.Counter(image.tobytes() for image in embedded_rgb(
+      np.array(first_of_each_class * 3)))
+  assert image_counts(ip.eval_batches(config)) == stored
 
 
 def test_tfds_reads_label_names_and_split_strings(tfds_config_factory):
@@ -311,12 +331,19 @@ def test_missing_split_folder_is_named(tmp_path):
     ip.get_dataset_info(make_config(dataset=str(tmp_path)))
 
 
-def test_empty_split_folder_is_named(tmp_path):
+@pytest.mark.parametrize('split', ['train', 'test'])
+def test_empty_class_folder_is_named(tmp_path, split):
   write_folder(tmp_path, 'train', 1)
-  os.makedirs(tmp_path / 'test' / 'bag')
-  with pytest.raises(ValueError, match=f'{tmp_path}/test contains no .jpg/.jpeg/.png files'):
+  write_folder(tmp_path, 'test', 1)
+  shutil.rmtree(tmp_path / split / 'bag')
+  os.makedirs(tmp_path / split / 'bag')
+  with pytest.raises(ValueError, match=f'Class folder {tmp_path}/{split}/bag holds no .jpg/'):
     ip.get_dataset_info(make_config(dataset=str(tmp_path)))
-  os.rmdir(tmp_path / 'test' / 'bag')
+
+
+def test_split_folder_without_class_folders_is_named(tmp_path):
+  write_folder(tmp_path, 'train', 1)
+  os.makedirs(tmp_path / 'test')
   with pytest.raises(ValueError, match=f'{tmp_path}/test has no class subfolders'):
     ip.get_dataset_info(make_config(dataset=str(tmp_path)))
 
@@ -338,10 +365,27 @@ def folder_with_bad_image(tmp_path):
   return tmp_path, str(bad)
 
 
-def test_undecodable_image_fails_with_its_path(folder_with_bad_image):
-  root, bad = folder_with_bad_image
-  with pytest.raises(ValueError, match=f'Cannot decode image {bad}.*skip_bad_images=True'):
+def test_undecodable_images_are_named_each_with_its_own_error(folder_with_bad_image):
+  root, bad_jpeg = folder_with_bad_image
+  empty_png = root / 'train' / 'sandal' / 'empty.png'
+  empty_png.write_bytes(b'')
+  with pytest.raises(ValueError, match='Cannot decode 2 image') as error:
     take(ip.train_batches(make_config(dataset=str(root))), 3)
+  message = str(error.value)
+  assert f'{bad_jpeg} (jpeg::Uncompress failed' in message
+  assert f'{empty_png} (Input is empty' in message
+  assert message.endswith('or set config.skip_bad_images=True to skip (and count) them.')
+
+
+def test_undecodable_test_image_is_found_before_training(tmp_path):
+  write_folder(tmp_path, 'train', 1)
+  write_folder(tmp_path, 'test', 1)
+  bad = tmp_path / 'test' / 'bag' / 'cut.png'
+  bad.write_bytes((tmp_path / 'test' / 'bag' / '0.png').read_bytes()[:40])
+  with pytest.raises(ValueError, match=f"split 'test': {bad} "):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+  assert ip.get_dataset_info(make_config(dataset=str(tmp_path), skip_bad_images=True)
+                             ).num_test == 3
 
 
 def test_undecodable_image_is_skipped_and_counted(folder_with_bad_image, caplog):
@@ -358,6 +402,13 @@ def test_undecodable_image_is_skipped_and_counted(folder_with_bad_image, caplog)
 def test_unknown_dataset_name_is_explained():
   with pytest.raises(ValueError, match="'no_such_dataset' is neither 'fashion_mnist_embedded'"):
     ip.get_dataset_info(make_config(dataset='no_such_dataset'))
+
+
+@pytest.mark.parametrize('path', ['./my_images', '/no/such/folder', 'my_images/', 'data/images'])
+def test_missing_folder_is_a_path_that_does_not_exist(path):
+  with pytest.raises(FileNotFoundError, match=f"config.dataset='{path}' is a path, and no folder "
+                                              'exists there'):
+    ip.get_dataset_info(make_config(dataset=path))
 
 
 def test_bad_split_is_explained(tfds_config_factory):

@@ -15,9 +15,11 @@ import numpy as np
 import optax
 import pytest
 
+from configs import common
 from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import hardware
+from vit_jax import main
 from vit_jax import train
 import tiny_config
 
@@ -99,7 +101,50 @@ def test_bad_config_is_reported_in_one_line(tmp_path):
   assert status == 1
   assert log.strip().splitlines()[-1] == (
       'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
-      'config.accum_steps=1: make it a multiple of 8.')
+      'config.accum_steps=1: make it a multiple of 8. config.batch_eval=100 is not divisible by '
+      '8 data-parallel devices: make it a multiple of 8.')
+
+
+def run_command_line(*args):
+  """(exit status, stdout, stderr) of `python -m vit_jax.main` on the tiny config with `args`."""
+  result = subprocess.run([sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', *args],
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+  return result.returncode, result.stdout, result.stderr
+
+
+def test_help_exits_0_and_lists_the_config_fields_with_values_and_meanings():
+  status, out, _ = run_command_line('--help')
+  assert status == 0
+  assert '--workdir' in out
+  assert '--config.total_steps=60 ' in out  # The value of tests/tiny_config.py.
+  assert "--config.pp.crop=28 " in out
+  for meaning in common.FIELD_HELP.values():
+    assert meaning in out
+
+
+def test_every_config_field_has_a_meaning():
+  config = common.get_config()
+  config.model = None  # Described by model_name, whose registry entry fills it.
+  assert set(train.flatten_config(config)) == set(common.FIELD_HELP) | {'model'}
+
+
+def test_misspelt_config_field_is_one_line_naming_the_close_match():
+  status, out, err = run_command_line('--config.total_step=10')
+  assert status == 1
+  assert (out + err).strip().splitlines() == [
+      'Config error: --config.total_step is not a config field. Did you mean "total_steps"?']
+
+
+def test_unknown_config_field_lists_the_fields_of_its_group():
+  config = common.get_config()
+  assert main.unknown_field_error(config, 'pp.crop') is None
+  message = main.unknown_field_error(config, 'foo')
+  assert message.startswith('--config.foo is not a config field. The fields of config: ')
+  assert all(f' {field},' in message for field in ('base_lr', 'pp', 'total_steps'))
+  assert main.unknown_field_error(config, 'pp.crops') == (
+      '--config.pp.crops is not a config field. Did you mean "crop"?')
+  assert main.unknown_field_error(config, 'pp.crop.size') == (
+      '--config.pp.crop is not a group of fields, so --config.pp.crop.size cannot be set.')
 
 
 def test_one_process_on_a_cpu_host_trains_on_one_device_per_core_that_fits(tmp_path):

@@ -164,6 +164,15 @@ def test_image_not_divisible_by_patch_size_is_a_clear_error():
     tiny_vit().init(jax.random.key(0), images_of(size=18), train=False)
 
 
+def test_uint8_images_are_a_clear_error():
+  model, images = tiny_vit(), images_of()
+  variables = {'params': random_params(model, images)}
+  pixels = np.asarray((images + 1) * 127.5, np.uint8)
+  with pytest.raises(ValueError, match=r'Expected float images with values in \[-1, 1\], got '
+                                       r'uint8: scale them first, e.g. images / 127.5 - 1'):
+    model.apply(variables, pixels, train=False)
+
+
 def test_image_size_other_than_the_posemb_grid_is_a_clear_error():
   model = tiny_vit()
   variables = model.init(jax.random.key(0), images_of(size=16), train=False)

@@ -140,10 +140,12 @@ def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
   assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
 
 
-def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir):
+@pytest.mark.parametrize('given', ['model.npz', 'the workdir'])
+def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir, given):
   workdir, _ = trained_workdir
-  config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'),
-                       pretrained_keep_head=True)
+  path = os.path.join(workdir, 'model.npz') if given == 'model.npz' else workdir
+  config = tiny_config(pretrained_path=path, pretrained_keep_head=True)
+  train.validate_config(config, 8)
   config.pp.crop = 56
   params = train.load_pretrained_params(config, train.build_model(config, num_classes=10))
   trained = checkpoint.load(os.path.join(workdir, 'model.npz'))
@@ -204,6 +206,32 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
   with pytest.raises(train.ConfigError, match=message) as error:
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(total_steps=-5), r'config.total_steps=-5 must be greater than 0'),
+    (dict(checkpoint_every=0), r'config.checkpoint_every=0 must be greater than 0'),
+    (dict(eval_every=0), r'config.eval_every=0 must be greater than 0'),
+    (dict(progress_every=0), r'config.progress_every=0 must be greater than 0'),
+    (dict(accum_steps=0), r'config.accum_steps=0 must be greater than 0'),
+    (dict(base_lr=0.0), r'config.base_lr=0.0 must be greater than 0'),
+    (dict(mesh=dict(data=-1, model=3)), r'config.mesh.model=3 does not divide the 8 devices'),
+    (dict(mesh=dict(data=-1, model=0)), r'config.mesh.model=0 must be greater than 0'),
+    (dict(shuffle_buffer=0), r'config.shuffle_buffer=0 must be greater than 0'),
+    (dict(batch=60, batch_eval=100),
+     r'config.batch=60 is not divisible by 8 .*make it a multiple of 8. '
+     r'config.batch_eval=100 is not divisible by 8 data-parallel devices'),
+])
+def test_bad_value_fails_validation_before_anything_compiles(overrides, message):
+  with pytest.raises(train.ConfigError, match=message) as error:
+    train.validate_config(tiny_config(**overrides), 8)
+  assert '\n' not in str(error.value)
+  assert not train.fits_devices(tiny_config(**overrides), 8)
+
+
+def test_pretrained_folder_without_model_npz_is_a_config_error(tmp_path):
+  with pytest.raises(train.ConfigError, match=r'is a folder without a model.npz'):
+    train.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
 
 
 def test_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):

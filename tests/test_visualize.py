@@ -116,8 +116,16 @@ def error_of(capsys, argv):
   return printed.err
 
 
+def test_missing_checkpoint_is_named(tmp_path, capsys):
+  missing = str(tmp_path / 'missing_dir')
+  assert error_of(capsys, ['--checkpoint', missing, '--output', str(tmp_path)]) == (
+      f'error: --checkpoint {missing} does not exist: give a training workdir or an .npz '
+      'checkpoint.\n')
+
+
 def test_npz_without_model_name_is_a_clear_error(tmp_path, capsys):
   npz = str(tmp_path / 'x.npz')
+  open(npz, 'wb').close()
   assert error_of(capsys, ['--checkpoint', npz, '--output', str(tmp_path)]).startswith(
       f'error: {npz} is an .npz checkpoint: name its model with --model NAME (one of ViT-Ti_16')
 

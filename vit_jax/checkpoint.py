@@ -216,10 +216,13 @@ def load_model_overrides(path) -> dict[str, Any]:
   {} when there is no such record (the published checkpoints have none)."""
   try:
     with _open(model_overrides_path(os.fspath(path)), 'rb') as f:
-      return json.loads(f.read())['model_overrides']
+      overrides = json.loads(f.read())['model_overrides']
+    if not isinstance(overrides, dict):
+      raise TypeError(f'model_overrides is a {type(overrides).__name__}, not an object')
+    return overrides
   except FileNotFoundError:
     return {}
-  except (ValueError, KeyError) as e:
+  except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f'{model_overrides_path(os.fspath(path))} is not a model-overrides '
                           f'record ({e}); delete it or rewrite it with save_model_overrides.'
                           ) from None

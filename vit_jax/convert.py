@@ -47,12 +47,18 @@ class StateDict:
   def __contains__(self, key: str) -> bool:
     return key in self.tensors
 
-  def take(self, key: str) -> np.ndarray:
+  def take(self, key: str, ndim: Optional[int]) -> np.ndarray:
+    """The tensor `key`, float32, which must have `ndim` dimensions (any number where None)."""
     if key not in self.tensors:
       raise checkpoint.CheckpointError(
           f'{self.source} has no {key!r}: only plain ViTs (class token, learned position '
           'embeddings, pre-LayerNorm blocks) convert.')
-    return np.asarray(self.tensors.pop(key), np.float32)
+    tensor = np.asarray(self.tensors.pop(key), np.float32)
+    if ndim is not None and tensor.ndim != ndim:
+      raise checkpoint.CheckpointError(
+          f'{self.source}: {key} has shape {tensor.shape}, where a plain ViT has a tensor of '
+          f'{ndim} dimensions: the file is damaged or holds another architecture.')
+    return tensor
 
   def count_blocks(self, prefix: str) -> int:
     """Number of `{prefix}{i}.` blocks; 0 when there are none."""
@@ -97,13 +103,32 @@ def detect_layout(tensors: dict[str, np.ndarray], source: str) -> str:
       f'one (vit.encoder.layer.0.attention.attention.query.weight); its keys start {keys}.')
 
 
+def _check_biases(tensors: dict[str, np.ndarray], source: str) -> None:
+  """A CheckpointError unless each torch module's `.bias` has one entry per output (the first
+  dimension of its `.weight`)."""
+  for key, weight in tensors.items():
+    prefix = key.removesuffix('.weight')
+    bias = tensors.get(prefix + '.bias')
+    if key.endswith('.weight') and bias is not None and np.shape(bias)[:1] != np.shape(weight)[:1]:
+      raise checkpoint.CheckpointError(
+          f'{source}: {key} has {np.shape(weight)[0]} outputs but {prefix}.bias '
+          f'{np.shape(bias)[0]} entries: the file is damaged or holds another architecture.')
+
+
 def convert_state_dict(tensors: dict[str, np.ndarray], num_heads: int,
                        source: str = 'The state dict') -> tuple[dict, str]:
   """Our parameter tree (float32 numpy) of a timm or Hugging Face ViT state dict, and its layout.
 
   Every tensor must find its place: leftovers (layer scale, a `fc_norm`, a mask token...) are an
   error, not silently dropped. `head` and `pre_logits` appear only when the state dict has them.
+  Tensors of unexpected ranks and non-finite values are errors too.
   """
+  damaged = sorted(key for key, value in tensors.items() if not np.isfinite(value).all())
+  if damaged:
+    listed = ', '.join(damaged[:4]) + (f' and {len(damaged) - 4} more' if len(damaged) > 4 else '')
+    raise checkpoint.CheckpointError(f'{source} has NaN or infinite values in {listed}: the '
+                                     'weights are damaged; convert an intact copy.')
+  _check_biases(tensors, source)
   layout = detect_layout(tensors, source)
   if layout == HUGGING_FACE:  # ViTModel's keys lack the `vit.` of ViTForImageClassification's.
     tensors = {key if key.startswith(('vit.', 'classifier.')) else 'vit.' + key: value
@@ -111,7 +136,7 @@ def convert_state_dict(tensors: dict[str, np.ndarray], num_heads: int,
   sd = StateDict(tensors, source)
   flat = {}
   for tensor in torch_layout.tensors(layout, _structure(sd, layout)):
-    flat.update(tensor.from_torch(sd.take(tensor.key), num_heads))
+    flat.update(tensor.from_torch(sd.take(tensor.key, tensor.ndim), num_heads))
   sd.check_all_taken()
   return traverse_util.unflatten_dict(flat), layout
 

@@ -1,7 +1,8 @@
 """Input pipeline: preprocessed, sharded, resumable batches of images.
 
 Sources (`config.dataset`, see `input_pipeline_sources.py`): `'fashion_mnist_embedded'` (ships with
-the package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,jpeg,png}`, or a tfds name.
+the package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,png,bmp,gif,webp}`, or a tfds
+name.
 
 Order. Training examples come from an endless stream of epochs, each epoch in an order drawn from
 the seed and the epoch number; the random augmentation of the example at position `g` of the
@@ -66,11 +67,15 @@ class DatasetInfo:
 
 
 def get_dataset_info(config) -> DatasetInfo:
-  """Class count, class names and split sizes of `config.dataset`."""
+  """Class count, class names and split sizes of `config.dataset`; raises the error of an image
+  of the test split that does not decode, so that it stops a run before training, not at the
+  first evaluation."""
   source = sources.get_source(config)
-  return DatasetInfo(len(source.label_names), source.label_names,
+  info = DatasetInfo(len(source.label_names), source.label_names,
                      source.num_examples(config.train_split),
                      source.num_examples(config.test_split))
+  source.check_decodable(config.test_split)
+  return info
 
 
 # Preprocessing.

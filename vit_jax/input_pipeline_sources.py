@@ -8,6 +8,7 @@ that a resumed run skips to its step before decoding. Sources with `random_acces
 image folders) permute a share exactly; tfds shards are read in file order and shuffled with a
 buffer. `input_pipeline.py` turns shards into preprocessed batches.
 """
+import collections
 import dataclasses
 import functools
 import os
@@ -22,7 +23,7 @@ import tensorflow_datasets as tfds
 
 EMBEDDED_DATASET = 'fashion_mnist_embedded'
 EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'data', 'fashion_mnist_embedded.npz')
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png')
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
@@ -116,6 +117,11 @@ class ArraySource:
 
     return Shard(end - start, epoch, self._decode)
 
+  def check_decodable(self, split: str) -> None:
+    """Raises the `decode_error` of the first image of `split` that does not decode; arrays of
+    pixels always do."""
+    del split
+
   def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
     """The error to raise when decoding an image of `split` failed with `error`."""
     del split  # Arrays of pixels always decode.
@@ -157,8 +163,17 @@ def embedded_source() -> ArraySource:
 
 
 def decode_image_file(path: tf.Tensor) -> tf.Tensor:
-  """Reads and decodes a JPEG/PNG file: string () -> uint8 (height, width, 3)."""
+  """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file: string () -> uint8 (height, width, 3)."""
   return tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+
+
+def decode_failure(path: str) -> str:
+  """Why the image file at `path` does not read and decode, in TensorFlow's words."""
+  try:
+    decode_image_file(tf.constant(path))
+  except tf.errors.OpError as e:
+    return short_message(e)
+  return 'it decoded when read again'
 
 
 def undecodable_files(paths: np.ndarray) -> Iterator[str]:
@@ -182,7 +197,7 @@ def _class_dirs(split_dir: str) -> list[str]:
   if not os.path.isdir(split_dir):
     raise FileNotFoundError(
         f'Image folder split {split_dir} does not exist: an image folder dataset needs '
-        f'DIR/<split>/<class_name>/*.jpg|jpeg|png (config.dataset=DIR).')
+        f'DIR/<split>/<class_name>/<images> (config.dataset=DIR).')
   classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
   if not classes:
     raise ValueError(f'Image folder split {split_dir} has no class subfolders: put the images of '
@@ -192,20 +207,26 @@ def _class_dirs(split_dir: str) -> list[str]:
 
 def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
   """Paths and labels of all images in `split_dir`, in a fixed class-mixed order."""
-  paths, labels = [], []
+  paths, labels, others = [], [], collections.Counter()
   for class_name in _class_dirs(split_dir):
+    class_dir = os.path.join(split_dir, class_name)
     if class_name not in train_classes:
       raise ValueError(
-          f'Class folder {os.path.join(split_dir, class_name)} has no counterpart in the train '
-          f'split (classes: {", ".join(train_classes)}): labels come from the train class '
-          'folders, so add it there or remove it here.')
-    class_dir = os.path.join(split_dir, class_name)
-    files = sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
+          f'Class folder {class_dir} has no counterpart in the train split (classes: '
+          f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
+          'there or remove it here.')
+    names = sorted(os.listdir(class_dir))
+    files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
+    if not files:
+      raise ValueError(f'Class folder {class_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images: '
+                       'add its images, or remove the folder.')
+    others.update(os.path.splitext(f)[1].lower() or f for f in names if f not in files)
     paths += [os.path.join(class_dir, f) for f in files]
     labels += [train_classes.index(class_name)] * len(files)
-  if not paths:
-    raise ValueError(f'Image folder split {split_dir} contains no {"/".join(IMAGE_EXTENSIONS)} '
-                     'files in its class subfolders.')
+  if others:
+    logging.warning('Ignoring %d file(s) in %s that are not %s images: %s.', others.total(),
+                    split_dir, '/'.join(IMAGE_EXTENSIONS),
+                    ', '.join(f'{n} {kind}' for kind, n in others.most_common()))
   order = np.random.default_rng(_FILE_ORDER_SEED).permutation(len(paths))
   return np.array(paths)[order], np.array(labels, np.int64)[order]
 
@@ -223,9 +244,10 @@ def _drop_undecodable(split_dir: str, paths: np.ndarray,
 
 
 class FolderSource(ArraySource):
-  """Images in `directory/<split>/<class_name>/*.{jpg,jpeg,png}`; classes sorted by name."""
+  """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`; classes sorted by name."""
 
   def __init__(self, directory: str, skip_bad_images: bool):
+    self._skip_bad_images = skip_bad_images
     train_classes = _class_dirs(os.path.join(directory, 'train'))
 
     def load_split(name):
@@ -237,13 +259,24 @@ class FolderSource(ArraySource):
 
     super().__init__(directory, train_classes, load_split, decode_image_file)
 
-  def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
-    paths, _ = self.select(split)
-    bad = next(undecodable_files(paths), None)
+  def check_decodable(self, split: str) -> None:
+    """Raises the `decode_error` of `split` if an image of it does not decode, unless
+    config.skip_bad_images has dropped them (then all do)."""
+    if not self._skip_bad_images and next(undecodable_files(self.select(split)[0]), None):
+      raise self.decode_error(split, None)
+
+  def decode_error(self, split: str, error: Optional[tf.errors.OpError]) -> Exception:
+    """Names the files of `split` that do not decode, each with its own error (`error`, from a
+    pipeline that read several at once, need not be the error of any one of them)."""
+    bad = list(undecodable_files(self.select(split)[0]))
+    if not bad:
+      return ValueError(f'Cannot decode an image of {self.name} split {split!r}: '
+                        f'{short_message(error)}')
+    named = '; '.join(f'{path} ({decode_failure(path)})' for path in bad[:3])
+    more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
     return ValueError(
-        f'Cannot decode image {bad or "(none found on a second read)"} of {self.name}: '
-        f'{short_message(error)} Remove or replace the file, or set config.skip_bad_images=True '
-        'to skip (and count) undecodable images.')
+        f'Cannot decode {len(bad)} image(s) of {self.name} split {split!r}: {named}{more}. '
+        'Remove or replace them, or set config.skip_bad_images=True to skip (and count) them.')
 
 
 # tfds datasets.
@@ -261,10 +294,7 @@ class TfdsSource:
     try:
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-      raise ValueError(
-          f'config.dataset={name!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
-          f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}). Fix the name or the path.'
-      ) from None
+      raise no_such_dataset(name, data_dir) from None
     if not self._builder.is_prepared():
       self._prepare(manual_dir)
     features = self._builder.info.features
@@ -318,17 +348,36 @@ class TfdsSource:
   def decode(encoded: tf.Tensor) -> tf.Tensor:
     return tf.io.decode_image(encoded, channels=3, expand_animations=False)
 
+  def check_decodable(self, split: str) -> None:
+    """Does nothing: tfds wrote the records it prepared, and reading them all would be slow."""
+    del split
+
   def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
     return ValueError(f'Cannot decode an image of tfds dataset {self.name!r} split {split!r}: '
                       f'{short_message(error)}')
+
+
+def no_such_dataset(dataset: str, data_dir: Optional[str]) -> Exception:
+  """The error for a `config.dataset` that names nothing: a path (it holds a '/' or starts with
+  '.' or '~') that does not exist, or an unknown tfds name."""
+  if '/' in dataset or dataset.startswith(('.', '~')):
+    return FileNotFoundError(
+        f'config.dataset={dataset!r} is a path, and no folder exists there (relative paths start '
+        f'at {os.getcwd()}): give an image folder DIR with DIR/train/<class>/ and '
+        'DIR/test/<class>/.')
+  return ValueError(
+      f'config.dataset={dataset!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
+      f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}). Fix the name or the path.')
 
 
 @functools.cache
 def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffer):
   if dataset == EMBEDDED_DATASET:
     return embedded_source()
-  if os.path.isdir(dataset):
-    return FolderSource(dataset, skip_bad_images)
+  if os.path.isdir(os.path.expanduser(dataset)):
+    return FolderSource(os.path.expanduser(dataset), skip_bad_images)
+  if dataset.startswith(('.', '/', '~')) or dataset.endswith('/'):  # Not a tfds name.
+    raise no_such_dataset(dataset, data_dir)
   return TfdsSource(dataset, data_dir, manual_dir, shuffle_buffer)
 
 

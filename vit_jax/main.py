@@ -1,28 +1,32 @@
 """Trains or fine-tunes a ViT: `python -m vit_jax.main [--config=FILE[:ARG]] [--workdir=DIR]`.
 
 Without `--config`, trains the default small ViT on the embedded Fashion-MNIST
-(configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`.
+(configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`;
+`--help` lists the fields of the config with their values and meanings.
 """
+import contextlib
 import datetime
+import difflib
 import functools
 import logging
 import os
+import re
 import sys
 import tempfile
 
 from absl import app
 from absl import flags
 import jax
+import ml_collections
 from ml_collections import config_flags
 
 import configs
+from configs import common
 from vit_jax import hardware
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
-
-config_flags.DEFINE_config_file(
-    'config', DEFAULT_CONFIG, 'Config file, optionally with an argument: configs/vit.py:b16,cifar10',
-    lock_config=True)
+# Flags that ask for help: absl's (which would exit with status 1), and -h.
+HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?', 'h')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for multi-process runs that JAX does not detect '
                     'by itself (env JAX_COORDINATOR_ADDRESS).')
@@ -60,6 +64,82 @@ def initialize_distributed() -> bool:
   return True
 
 
+def define_config_flag() -> None:
+  """Defines --config. Without --config on the command line, this already reads the default
+  config and applies the --config.FIELD overrides of sys.argv."""
+  config_flags.DEFINE_config_file(
+      'config', DEFAULT_CONFIG,
+      'Config file, optionally with an argument: configs/vit.py:b16,cifar10', lock_config=True)
+
+
+def load_config(argv: list[str]) -> ml_collections.ConfigDict:
+  """The config that --config in `argv` names (or the default), without the overrides."""
+  given = [arg.split('=', 1)[1] if '=' in arg else following  # --config=FILE or --config FILE.
+           for arg, following in zip(argv, argv[1:] + [''])
+           if re.fullmatch(r'--?config(=.*)?', arg)]
+  parser = config_flags.config_flags.ConfigFileFlagParser('config')
+  return parser.parse(given[-1] if given else DEFAULT_CONFIG)
+
+
+def config_help(config: ml_collections.ConfigDict) -> str:
+  """The fields of `config`, one a line: `--config.FIELD=VALUE  meaning`."""
+  lines = ['Config fields, with the values of this config (set one with --config.FIELD=VALUE):']
+  for field, meaning in common.FIELD_HELP.items():
+    value = field_value(config, field)
+    lines.append(f'  {f"--config.{field}={value!r}":<36} {meaning}')
+  return '\n'.join(lines)
+
+
+def field_value(config: ml_collections.ConfigDict, field: str):
+  """The value of dotted `field` ('pp.crop') in `config`."""
+  return functools.reduce(lambda parent, key: parent[key], field.split('.'), config)
+
+
+def unknown_field_error(config: ml_collections.ConfigDict, field: str) -> str | None:
+  """What is wrong with `--config.FIELD=...` when dotted `field` is not in `config`, in one line
+  with the close match or the valid names; None when it is."""
+  parent, path = config, 'config'
+  for key in field.split('.'):
+    if not isinstance(parent, ml_collections.ConfigDict):
+      return f'--{path} is not a group of fields, so --config.{field} cannot be set.'
+    if key not in parent:
+      close = difflib.get_close_matches(key, list(parent), n=1)
+      if close:
+        return f'--{path}.{key} is not a config field. Did you mean "{close[0]}"?'
+      return (f'--{path}.{key} is not a config field. The fields of {path}: '
+              f'{", ".join(parent)} (--help says what each does).')
+    parent, path = parent[key], f'{path}.{key}'
+  return None
+
+
+@contextlib.contextmanager
+def one_line_config_errors(argv: list[str]):
+  """Turns the error ml_collections raises for an unknown --config.FIELD in `argv` into one
+  `Config error:` line."""
+  try:
+    yield
+  except (AttributeError, KeyError):
+    config = load_config(argv)
+    fields = [re.match(r'--?(?:no)?config\.([^=]+)', arg) for arg in argv]
+    errors = [unknown_field_error(config, match[1]) for match in fields if match]
+    if not any(errors):
+      raise
+    sys.exit(f'Config error: {next(e for e in errors if e)}')
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, except that --help exits 0 and lists the config fields, and that an
+  unknown --config.FIELD is a one-line error."""
+  with one_line_config_errors(argv):
+    define_config_flag()
+  if any(arg.lstrip('-').split('=')[0] in HELP_FLAGS for arg in argv[1:]):
+    app.usage(shorthelp='--helpfull' not in argv, writeto_stdout=True)
+    print(config_help(load_config(argv)))
+    sys.exit(0)
+  with one_line_config_errors(argv):
+    return app.parse_flags_with_usage(argv)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -85,4 +165,4 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

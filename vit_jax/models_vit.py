@@ -283,6 +283,9 @@ class VisionTransformer(nn.Module):
       raise ValueError(f'classifier={self.classifier!r}; choose one of {CLASSIFIERS}.')
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
+    if not jnp.issubdtype(images.dtype, jnp.floating):
+      raise ValueError(f'Expected float images with values in [-1, 1], got {images.dtype}: '
+                       'scale them first, e.g. images / 127.5 - 1 for uint8 pixels.')
     stride = self.stem_stride
     ph, pw = self.patch_size[0] * stride, self.patch_size[1] * stride
     _, h, w, _ = images.shape

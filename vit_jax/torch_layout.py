@@ -29,10 +29,11 @@ HUGGING_FACE_GELU = {False: 'gelu', True: 'gelu_new'}
 HUGGING_FACE_TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh')
 
 
-def _check_heads(rows: int, num_heads: int) -> int:
-  if rows % num_heads:
+def _check_heads(size: int, num_heads: int, what: str = 'Hidden size') -> int:
+  """`num_heads`, or a CheckpointError unless `size` features of `what` split into them."""
+  if size % num_heads:
     raise checkpoint.CheckpointError(
-        f'Hidden size {rows} is not divisible by num_heads={num_heads}: the weights are not of a '
+        f'{what} {size} is not divisible by num_heads={num_heads}: the weights are not of a '
         f'model with {num_heads} heads.')
   return num_heads
 
@@ -51,8 +52,11 @@ _LAYOUTS: dict[str, tuple[Callable, Callable]] = {
     'heads_bias': (lambda x: x.reshape(-1), lambda x, n: x.reshape(n, -1)),
     # Output kernel (N, K, D) <-> Linear weight (D, N*K).
     'heads_out': (lambda x: x.reshape(-1, x.shape[-1]).T,
-                  lambda x, n: x.T.reshape(n, -1, x.shape[0])),
+                  lambda x, n: x.T.reshape(
+                      _check_heads(x.shape[1], n, 'Attention output input size'), -1, x.shape[0])),
 }
+# The number of dimensions of a torch tensor in each layout ('as_is' tensors vary).
+LAYOUT_NDIM = {'linear': 2, 'conv': 4, 'heads_in': 2, 'heads_bias': 1, 'heads_out': 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,18 @@ class Tensor:
     parts = [_LAYOUTS[self.layout][0](get(params, path)) for path in self.paths]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
+  @property
+  def ndim(self) -> Optional[int]:
+    """The torch tensor's number of dimensions; None where it varies."""
+    return LAYOUT_NDIM.get(self.layout)
+
   def from_torch(self, tensor: np.ndarray, num_heads: int) -> dict[Path, np.ndarray]:
     """Our parameters, by path, from the torch tensor."""
+    if tensor.shape[0] % len(self.paths):
+      module, kind = self.key.rsplit('.', 1)
+      raise checkpoint.CheckpointError(
+          f'A fused {module} {kind} has {tensor.shape[0]} outputs, which do not split into query, '
+          'key and value: the file is damaged or holds another architecture.')
     parts = np.split(tensor, len(self.paths))
     return {path: _LAYOUTS[self.layout][1](part, num_heads)
             for path, part in zip(self.paths, parts)}

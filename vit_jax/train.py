@@ -4,6 +4,7 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
+import functools
 import logging
 import os
 import signal
@@ -55,12 +56,10 @@ class TrainState:
 def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
   """A ('data', 'model') mesh over `devices` (all by default); `mesh.data = -1` takes the rest."""
   devices = np.asarray(jax.devices() if devices is None else devices)
-  model_size, data_size = config.mesh.model, data_parallel_size(config, devices.size)
-  if data_size * model_size != devices.size:
-    raise ConfigError(
-        f'config.mesh data={config.mesh.data} x model={model_size} does not cover the '
-        f'{devices.size} devices: make their product {devices.size} (data=-1 fills it in).')
-  return Mesh(devices.reshape(data_size, model_size), ('data', 'model'))
+  if error := mesh_error(config, devices.size):
+    raise ConfigError(error)
+  return Mesh(devices.reshape(data_parallel_size(config, devices.size), config.mesh.model),
+              ('data', 'model'))
 
 
 def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> int:
@@ -68,38 +67,74 @@ def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> i
   return config.mesh.data if config.mesh.data != -1 else num_devices // config.mesh.model
 
 
-def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> str | None:
-  """Why the batches (and micro-batches) of `config` do not split evenly over `data_devices`
-  data-parallel devices, or None where they do."""
-  if config.batch % (data_devices * config.accum_steps):
-    return (f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
-            f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
-            f'{data_devices * config.accum_steps}.')
-  if config.batch_eval % data_devices:
-    return (f'config.batch_eval={config.batch_eval} is not divisible by {data_devices} '
-            'data-parallel devices: make it a multiple of it.')
+def mesh_error(config: ml_collections.ConfigDict, num_devices: int) -> str | None:
+  """Why `config.mesh` (with a positive `mesh.model`) does not cover `num_devices` devices, or
+  None where it does."""
+  data, model = config.mesh.data, config.mesh.model
+  if data == -1 and num_devices % model:
+    return (f'config.mesh.model={model} does not divide the {num_devices} devices: make it a '
+            f'divisor of {num_devices}.')
+  if data_parallel_size(config, num_devices) * model != num_devices:
+    return (f'config.mesh data={data} x model={model} does not cover the {num_devices} devices: '
+            f'make their product {num_devices} (data=-1 fills it in).')
   return None
 
 
+def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> str | None:
+  """Why the batches (and micro-batches) of `config` do not split evenly over `data_devices`
+  data-parallel devices, or None where they do; one sentence per batch that does not."""
+  errors = []
+  if config.batch % (data_devices * config.accum_steps):
+    errors.append(f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
+                  f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
+                  f'{data_devices * config.accum_steps}.')
+  if config.batch_eval % data_devices:
+    errors.append(f'config.batch_eval={config.batch_eval} is not divisible by {data_devices} '
+                  f'data-parallel devices: make it a multiple of {data_devices}.')
+  return ' '.join(errors) or None
+
+
 def fits_devices(config: ml_collections.ConfigDict, num_devices: int) -> bool:
-  """Whether `config` can train on `num_devices` devices: its mesh covers them, and its batches
-  split evenly over the data-parallel ones."""
-  data = data_parallel_size(config, num_devices)
-  return data * config.mesh.model == num_devices and batch_split_error(config, data) is None
+  """Whether `config` can train on `num_devices` devices: its values are valid, its mesh covers
+  them, and its batches split evenly over the data-parallel ones."""
+  return (values_error(config) is None and mesh_error(config, num_devices) is None and
+          batch_split_error(config, data_parallel_size(config, num_devices)) is None)
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ConfigError for a config that cannot train, before anything is compiled."""
+# Fields that count (steps, examples, devices) or scale something, so must be above 0.
+POSITIVE_FIELDS = ('total_steps', 'batch', 'batch_eval', 'accum_steps', 'progress_every',
+                   'eval_every', 'checkpoint_every', 'base_lr', 'mesh.model', 'pp.crop',
+                   'shuffle_buffer')
+
+
+def values_error(config: ml_collections.ConfigDict) -> str | None:
+  """Why a field value of `config` cannot work on any devices, or None where all can."""
+  for field in POSITIVE_FIELDS:
+    value = functools.reduce(getattr, field.split('.'), config)
+    if not value > 0:
+      return f'config.{field}={value!r} must be greater than 0.'
+  if config.mesh.data != -1 and config.mesh.data < 1:
+    return (f'config.mesh.data={config.mesh.data} must be -1 (all the devices that '
+            'config.mesh.model leaves) or greater than 0.')
+  if config.warmup_steps < 0:
+    return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   if not config.model:
-    raise ConfigError(f'Unknown model config.model_name={config.model_name!r}. Known models: '
-                      f'{", ".join(models.MODEL_CONFIGS)} (short names in configs/vit.py).')
+    return (f'Unknown model config.model_name={config.model_name!r}. Known models: '
+            f'{", ".join(models.MODEL_CONFIGS)} (short names in configs/vit.py).')
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
     if config[field] not in choices:
-      raise ConfigError(f'config.{field}={config[field]!r} is not one of {choices}.')
-  if error := batch_split_error(config, data_parallel_size(config, num_devices)):
+      return f'config.{field}={config[field]!r} is not one of {choices}.'
+  return None
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Raises ConfigError for a config that cannot train, before anything is compiled."""
+  if error := (values_error(config) or mesh_error(config, num_devices) or
+               batch_split_error(config, data_parallel_size(config, num_devices))):
     raise ConfigError(error)
+  check_pretrained_path(config)
   model = build_model(config, num_classes=1)
   step = model.stem_stride * np.array(model.patch_size)
   if any(config.pp.crop % step):
@@ -107,10 +142,26 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
-  if config.pretrained_path and not os.path.exists(config.pretrained_path) and '://' not in (
-      config.pretrained_path):
-    raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not exist: give '
-                      'the path of a .npz checkpoint (published, or a WORKDIR/model.npz).')
+
+
+def pretrained_file(config: ml_collections.ConfigDict) -> str:
+  """The checkpoint file of `config.pretrained_path`: the path itself, or FOLDER/model.npz for a
+  folder (a training workdir)."""
+  path = config.pretrained_path
+  return os.path.join(path, 'model.npz') if os.path.isdir(path) else path
+
+
+def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError unless `config.pretrained_path` is unset, a URL, or leads to a file."""
+  path = config.pretrained_path
+  if not path or '://' in path:
+    return
+  if os.path.isdir(path) and not os.path.isfile(pretrained_file(config)):
+    raise ConfigError(f'config.pretrained_path={path!r} is a folder without a model.npz: give '
+                      'the path of a .npz checkpoint, or of a finished training workdir.')
+  if not os.path.exists(path):
+    raise ConfigError(f'config.pretrained_path={path!r} does not exist: give the path of a .npz '
+                      'checkpoint (published, or a WORKDIR/model.npz) or of a training workdir.')
 
 
 def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
@@ -119,7 +170,7 @@ def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
   if not config.pretrained_path:
     return {}
   try:
-    return checkpoint.load_model_overrides(config.pretrained_path)
+    return checkpoint.load_model_overrides(pretrained_file(config))
   except checkpoint.CheckpointError as e:
     raise ConfigError(str(e)) from None
 
@@ -481,7 +532,7 @@ def load_pretrained_params(config, model):
   """Pretrained params from `config.pretrained_path`, fitted to `model` at `config.pp.crop`."""
   fresh = init_params(config, model, config.pp.crop)
   try:
-    return checkpoint.load_pretrained(config.pretrained_path, jax.device_get(fresh),
+    return checkpoint.load_pretrained(pretrained_file(config), jax.device_get(fresh),
                                       config.model, posemb_method=config.posemb_method,
                                       keep_head=config.pretrained_keep_head)
   except (ValueError, KeyError) as e:

@@ -294,6 +294,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   """The figures that `args` ask for and that apply to the checkpoint, by name."""
+  if '://' not in args.checkpoint and not os.path.exists(args.checkpoint):  # URLs: on load.
+    raise FileNotFoundError(f'--checkpoint {args.checkpoint} does not exist: give a training '
+                            'workdir or an .npz checkpoint.')
   name = args.model or os.path.basename(os.path.normpath(args.checkpoint))
   figures = {}
   if set(args.figures) - {'training_curves'}:
