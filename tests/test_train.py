@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from configs import models as model_configs
 import tiny_config as tiny_config_file
 from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
+from vit_jax import registry
 from vit_jax import train
 
 
@@ -227,7 +227,7 @@ def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
 def test_pretrained_file_of_another_architecture_is_a_config_error(trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
-  config.model = model_configs.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
+  config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
   with pytest.raises(train.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
                                               r'does not fit tiny: .*\(48,\).*\(32,\)'):
     train.train_and_evaluate(config, str(tmp_path))

@@ -1,7 +1,8 @@
 """Trains or fine-tunes a ViT: `python -m vit_jax.main [--config=FILE[:ARG]] [--workdir=DIR]`.
 
-Without `--config`, trains the default small ViT on the embedded Fashion-MNIST
-(configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`.
+Without `--config`, trains the default small ViT on the embedded Fashion-MNIST (the package's
+vit_jax/config.py, the same as `--config=configs/default.py`). Every config field can be
+overridden: `--config.base_lr=0.01`.
 """
 import datetime
 import functools
@@ -15,10 +16,10 @@ from absl import flags
 import jax
 from ml_collections import config_flags
 
-import configs
+from vit_jax import config as default_config
 from vit_jax import hardware
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
+DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
 
 config_flags.DEFINE_config_file(
     'config', DEFAULT_CONFIG, 'Config file, optionally with an argument: configs/vit.py:b16,cifar10',

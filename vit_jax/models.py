@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from configs.models import MODEL_CONFIGS
 from vit_jax import models_vit
+from vit_jax.registry import MODEL_CONFIGS
 
 __all__ = ['MODEL_CONFIGS', 'get_model', 'count_params', 'gflops_per_image']
 
