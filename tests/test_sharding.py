@@ -15,6 +15,7 @@ import tiny_config
 
 def config_for(strategy, mesh_model=1):
   config = tiny_config.get_config()
+  config.model_name = 'small'
   config.model = registry.vit('small', patch=7, hidden=128, mlp=512, heads=4, layers=2)
   config.sharding = strategy
   config.mesh.model = mesh_model

@@ -114,3 +114,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every = 450
   config.checkpoint_every = 450
   return config
+
+
+def resolve_model(config: ml_collections.ConfigDict) -> None:
+  """Makes `config.model` the model that `config.model_name` names, where the two disagree.
+
+  A config file sets both, so a name that differs from `config.model.name` was set afterwards
+  (`--config.model_name=ViT-B_16`): the registry's model of that name replaces `config.model`.
+  A ValueError names a name that is neither `config.model.name` nor a registry model.
+  """
+  if config.model and config.model.get('name') == config.model_name:
+    return
+  if config.model_name not in registry.MODEL_CONFIGS:
+    current = f' (config.model is {config.model.get("name")!r})' if config.model else ''
+    raise ValueError(f'Unknown model config.model_name={config.model_name!r}{current}. Known '
+                     f'models: {", ".join(registry.MODEL_CONFIGS)} (short names in '
+                     'configs/vit.py).')
+  with_model(config, config.model_name)

@@ -10,8 +10,8 @@ layouts differ from ours in that
 - timm fuses query, key and value into one `attn.qkv` Linear of (3D, D), rows [q; k; v];
 - the patch-embedding convolution weight is (D, C, P, P), our kernel (P, P, C, D);
 - both use exact GELU, so the converted model must run with `approximate_gelu=False`: the
-  converter records it next to the output, in OUT.overrides.json, which
-  `checkpoint.load_model_overrides` and vit_jax.predict read;
+  converter records it in the model spec it saves in the output (`checkpoint.load_model`,
+  vit_jax.predict, visualize and fine-tuning read it);
 - timm's LayerNorm epsilon is ours, 1e-6; Hugging Face configs use 1e-12, which changes the
   outputs by a relative ~1e-6 for activations of unit variance.
 The number of heads is not in the weights: give --model (a registry name, whose shapes are then
@@ -30,6 +30,7 @@ import safetensors.numpy
 
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax import models_vit
 
 TIMM = 'timm'
 HUGGING_FACE = 'Hugging Face'
@@ -210,12 +211,25 @@ def describe(params: dict) -> str:
           + (', pre_logits' if 'pre_logits' in params else ''))
 
 
-def _check_against_registry(params: dict, model_name: str, source: str) -> None:
-  """A CheckpointError, naming paths and shapes, unless `params` fit registry model `model_name`."""
-  representation = params.get('pre_logits', {}).get('kernel')
-  model = models.get_model(
-      model_name, num_classes=params['head']['kernel'].shape[1] if 'head' in params else 1,
-      representation_size=None if representation is None else representation.shape[1])
+def converted_model(params: dict, num_heads: int, model_name: Optional[str] = None):
+  """The VisionTransformer, with exact GELU, that the converted `params` are: the registry's
+  `model_name`, or without a name the plain ViT of their shapes with `num_heads` heads; classes
+  and representation size follow the params (0 classes without a head: features only)."""
+  head, representation = (params.get(name, {}).get('kernel') for name in ('head', 'pre_logits'))
+  fields = dict(num_classes=0 if head is None else head.shape[1], approximate_gelu=False,
+                representation_size=None if representation is None else representation.shape[1])
+  if model_name:
+    return models.get_model(model_name, **fields)
+  kernel = params['embedding']['kernel']  # (P, P, C, D).
+  return models_vit.VisionTransformer(
+      patch_size=kernel.shape[:2], hidden_size=kernel.shape[-1], num_heads=num_heads,
+      mlp_dim=params['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'].shape[1],
+      num_layers=sum(k.startswith('encoderblock_') for k in params['Transformer']), **fields)
+
+
+def _check_against_registry(params: dict, model, model_name: str, source: str) -> None:
+  """A CheckpointError, naming paths and shapes, unless `params` fit `model`, the registry's
+  `model_name`."""
   tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - 1
   image_size = math.isqrt(tokens) * model.patch_size[0]
   shapes = models.param_shapes(model, image_size)
@@ -228,8 +242,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
-  parser.add_argument('output', help='the .npz to write (published layout); OUT.overrides.json '
-                      'next to it records approximate_gelu=False')
+  parser.add_argument('output', help='the .npz to write (published layout), with the model spec '
+                      '(approximate_gelu=False)')
   heads = parser.add_mutually_exclusive_group(required=True)
   heads.add_argument('--model', help='registry name (e.g. ViT-B_16): gives the number of heads '
                      'and checks every shape')
@@ -246,17 +260,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model:
       num_heads = models.get_model_config(args.model).transformer.num_heads
     params, layout = convert_state_dict(read_safetensors(args.input), num_heads, args.input)
+    model = converted_model(params, num_heads, args.model)
     if args.model:
-      _check_against_registry(params, args.model, args.input)
-    checkpoint.save(params, args.output, linen_names=args.linen_names)
-    checkpoint.save_model_overrides({'approximate_gelu': False}, args.output,
-                                    note=f'Converted from the {layout} state dict {args.input}.')
+      _check_against_registry(params, model, args.model, args.input)
+    checkpoint.save(params, args.output, linen_names=args.linen_names,
+                    spec=models.model_spec(model, args.model))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   print(f'Converted the {layout} state dict {args.input} ({describe(params)}, {num_heads} heads) '
-        f'to {args.output}. Run it with approximate_gelu=False (recorded in '
-        f'{checkpoint.model_overrides_path(args.output)}).')
+        f'to {args.output}. It runs with approximate_gelu=False, recorded in its model spec.')
   return 0
 
 
