@@ -300,12 +300,21 @@ def test_saved_spec_rebuilds_the_model_that_computes_the_same_logits(tmp_path):
 
 
 def test_spec_is_one_float32_entry_that_parameter_readers_pass_by(tmp_path):
-  _, params = saved_with_spec(tmp_path / 'model.npz')
+  model, params = saved_with_spec(tmp_path / 'model.npz')
   checkpoint.save(params, tmp_path / 'plain.npz')
   with np.load(tmp_path / 'model.npz') as archive, np.load(tmp_path / 'plain.npz') as plain:
     assert set(archive.files) - set(plain.files) == {checkpoint.SPEC_KEY}
     assert archive[checkpoint.SPEC_KEY].dtype == np.float32
   assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+  # A reader that keeps every entry, as the official vit_jax's does: flax ignores the extra leaf.
+  checkpoint.save(params, tmp_path / 'linen.npz', linen_names=True,
+                  spec=models.model_spec(model))
+  with np.load(tmp_path / 'linen.npz') as archive:
+    everything = traverse_util.unflatten_dict({tuple(k.split('/')): archive[k]
+                                               for k in archive.files})
+  images = images_of(16)
+  np.testing.assert_array_equal(logits_of(model, everything, images),
+                                logits_of(model, params, images))
 
 
 def test_file_without_spec_loads_through_a_registry_name_and_its_overrides(tmp_path):

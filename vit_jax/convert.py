@@ -230,9 +230,7 @@ def converted_model(params: dict, num_heads: int, model_name: Optional[str] = No
 def _check_against_registry(params: dict, model, model_name: str, source: str) -> None:
   """A CheckpointError, naming paths and shapes, unless `params` fit `model`, the registry's
   `model_name`."""
-  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - 1
-  image_size = math.isqrt(tokens) * model.patch_size[0]
-  shapes = models.param_shapes(model, image_size)
+  shapes = models.param_shapes(model, checkpoint.native_image_size(params, model))
   if 'head' not in params:
     shapes = {k: v for k, v in shapes.items() if k != 'head'}
   checkpoint.check_matches(params, shapes, source=f'{source} (as {model_name})')
