@@ -14,6 +14,10 @@ leaves are stacked along a leading layer axis. `scan_blocks` and `unscan_blocks`
 the two layouts; `save` always writes the published per-block one, and `load_pretrained` returns
 the layout of the model it is given.
 
+`save` can store the model's spec (`vit_jax.models.model_spec`) inside the archive, under
+SPEC_KEY; `load_model` rebuilds the model from it, or from a registry name for files without
+one, and takes a training workdir for its `model.npz`.
+
 Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
 Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
 line naming the file, or the parameter path with both shapes.
@@ -243,7 +247,11 @@ def model_overrides_path(path: str) -> str:
 
 def save_model_overrides(overrides: dict[str, Any], path, *, note: str = '') -> None:
   """Records, next to checkpoint `path` (at `model_overrides_path(path)`), the VisionTransformer
-  fields the weights need, e.g. {'approximate_gelu': False} for weights trained with exact GELU."""
+  fields the weights need, e.g. {'approximate_gelu': False} for weights trained with exact GELU.
+
+  Deprecated: the model spec saved inside the file (`save(..., spec=...)`) replaces this record,
+  which `load_model` and fine-tuning still read for files without a spec.
+  """
   text = json.dumps({'model_overrides': overrides, 'note': note}, indent=2)
   with _open(model_overrides_path(os.fspath(path)), 'wb') as f:
     f.write(text.encode())
