@@ -416,6 +416,7 @@ def model_path(path_or_workdir) -> str:
 
 
 def posemb_of(params: Params) -> np.ndarray:
+  """The position embeddings (1, T, D) of `params`; a CheckpointError if they have none."""
   try:
     return params['Transformer']['posembed_input']['pos_embedding']
   except KeyError:
