@@ -121,9 +121,10 @@ def resolve_model(config: ml_collections.ConfigDict) -> None:
 
   A config file sets both, so a name that differs from `config.model.name` was set afterwards
   (`--config.model_name=ViT-B_16`): the registry's model of that name replaces `config.model`.
-  A ValueError names a name that is neither `config.model.name` nor a registry model.
+  A ValueError names a name that is neither `config.model.name` nor a registry model. A model
+  config without a `name` (older config files) is taken to be the one `config.model_name` names.
   """
-  if config.model and config.model.get('name') == config.model_name:
+  if config.model and config.model.get('name', config.model_name) == config.model_name:
     return
   if config.model_name not in registry.MODEL_CONFIGS:
     current = f' (config.model is {config.model.get("name")!r})' if config.model else ''
