@@ -1,4 +1,4 @@
-"""Installs vit_jax and its configs. The tested versions are pinned in requirements.txt."""
+"""Installs vit_jax (its registry and default config included). The tested versions are pinned in requirements.txt."""
 import setuptools
 
 setuptools.setup(
@@ -6,7 +6,7 @@ setuptools.setup(
     version='0.1.0',
     description='Vision Transformer (ViT) in JAX/Flax: models, checkpoints, training.',
     python_requires='>=3.10',
-    packages=setuptools.find_packages(include=['vit_jax', 'vit_jax.*', 'configs']),
+    packages=setuptools.find_packages(include=['vit_jax', 'vit_jax.*']),
     package_data={'vit_jax': ['data/*']},
     install_requires=[
         'jax>=0.10',

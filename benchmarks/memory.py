@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from configs import common
+from vit_jax import config as defaults
 from vit_jax import models
 from vit_jax import train
 
@@ -33,8 +33,8 @@ GIB = 2**30
 
 
 def step_config(model_name: str, batch: int):
-  """The training defaults of configs/common.py for `model_name` at global batch `batch`."""
-  config = common.with_model(common.get_config(), model_name)
+  """The training defaults of vit_jax/config.py for `model_name` at global batch `batch`."""
+  config = defaults.with_model(defaults.training_defaults(), model_name)
   config.batch = batch
   return config
 

@@ -8,7 +8,7 @@ from scratch; with `--config.pretrained_path=FILE.npz` it fine-tunes as in the p
 """
 import ml_collections
 
-from configs import common
+from vit_jax import config as defaults
 
 MODELS = {
     'ti16': 'ViT-Ti_16', 's16': 'ViT-S_16', 's32': 'ViT-S_32', 'b8': 'ViT-B_8',
@@ -43,7 +43,7 @@ def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
   model, _, dataset = arg.partition(',')
   if not dataset:
     raise ValueError(f'--config=configs/vit.py:{arg}: give MODEL,DATASET, e.g. b16,cifar10.')
-  config = common.with_model(common.get_config(), MODELS.get(model, model))
+  config = defaults.with_model(defaults.training_defaults(), MODELS.get(model, model))
   preset = DATASETS.get(dataset, OTHER_DATASET)
   config.dataset = dataset
   config.train_split, config.test_split = preset['train_split'], preset['test_split']

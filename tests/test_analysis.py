@@ -80,8 +80,8 @@ def test_model_with_uniform_attention_gives_uniform_maps_and_closed_form_distanc
   assert attention.shape == (2, 2, 3, tokens, tokens)
   np.testing.assert_allclose(attention, 1 / tokens, rtol=1e-5)
 
-  class_token = analysis.has_class_token(classifier)
-  grid, pixels = analysis.patch_grid(model, (16, 16)), analysis.patch_pixels(model)
+  class_token = model.has_class_token
+  grid, pixels = model.grid(16), model.patch_pixels
   assert grid == (4, 4) and pixels == (4, 4)
   maps = analysis.token_to_patch_map(analysis.attention_rollout(attention), grid, class_token)
   np.testing.assert_allclose(maps, np.broadcast_to(maps[:, :1, :1], maps.shape), rtol=1e-5)
@@ -106,12 +106,6 @@ def test_mean_attention_distance_of_uniform_attention_matches_closed_form(grid, 
   distances = analysis.mean_attention_distance(uniform, grid, pixels, class_token=True)
   expected = mean_uniform_distance(grid, pixels) if expected is None else expected
   np.testing.assert_allclose(distances, np.full((2, 3), expected), rtol=1e-5)
-
-
-def test_hybrid_patch_covers_patch_size_times_stem_stride():
-  model = tiny_vit(patch_size=(2, 2), resnet_layers=(1, 1))  # Stem of stride 8.
-  assert analysis.patch_pixels(model) == (16, 16)
-  assert analysis.patch_grid(model, (64, 96)) == (4, 6)
 
 
 def sinusoid_posemb(grid, frequencies):

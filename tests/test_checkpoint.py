@@ -2,6 +2,7 @@
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -57,6 +58,11 @@ def write_pretrained(path, image_size=224, **fields):
   params = random_params(model, (image_size, image_size))
   checkpoint.save(params, path)
   return params
+
+
+def model_of(config):
+  """The model that fine-tunes from a checkpoint into `config`'s architecture (3 classes)."""
+  return models.get_model(config, num_classes=3)
 
 
 def init_params(config, image_hw, num_classes=3):
@@ -116,7 +122,7 @@ def test_finetune_setup_from_224_to_384_px(tmp_path):
   pretrained = write_pretrained(tmp_path / 'model.npz', representation_size=16)
   config = small_config()
   init = init_params(config, (384, 384))
-  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config))
 
   assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, init)
   assert 'pre_logits' not in params  # The target has no representation layer.
@@ -135,20 +141,20 @@ def test_keep_head_keeps_the_files_head_when_the_classes_are_the_same(tmp_path):
   pretrained = write_pretrained(tmp_path / 'model.npz')  # 7 classes.
   config = small_config()
   params = checkpoint.load_pretrained(tmp_path / 'model.npz',
-                                      init_params(config, (384, 384), num_classes=7), config,
-                                      keep_head=True)
+                                      init_params(config, (384, 384), num_classes=7),
+                                      model_of(config), keep_head=True)
   assert_trees_equal(params['head'], pretrained['head'])
   with pytest.raises(ValueError, match=r'head/kernel is \(16, 7\) in the file but \(16, 3\) '
                                        r'in the model'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config,
-                               keep_head=True)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
+                               model_of(config), keep_head=True)
 
 
 def test_representation_layer_is_kept_when_the_target_has_one(tmp_path):
   pretrained = write_pretrained(tmp_path / 'model.npz', representation_size=16)
   config = small_config(representation_size=16)
   params = checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
-                                      config)
+                                      model_of(config))
   assert_trees_equal(params['pre_logits'], pretrained['pre_logits'])
   assert_trees_equal(params['Transformer'], pretrained['Transformer'])  # Same grid: no resize.
 
@@ -157,7 +163,7 @@ def test_gap_model_resizes_its_grid_without_a_class_row(tmp_path):
   pretrained = write_pretrained(tmp_path / 'model.npz', classifier='gap')
   config = small_config(classifier='gap')
   params = checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (384, 384)),
-                                      config)
+                                      model_of(config))
   old, new = flat(pretrained)[POSEMB], flat(params)[POSEMB]
   assert (old.shape, new.shape) == ((1, 196, 16), (1, 576, 16))
   np.testing.assert_allclose(new[0, [0, 23, -24, -1]], old[0, [0, 13, -14, -1]], rtol=1e-6)
@@ -167,13 +173,13 @@ def test_non_square_target_grid_is_given_explicitly(tmp_path):
   write_pretrained(tmp_path / 'model.npz')
   config = small_config()
   init = init_params(config, (224, 320))
-  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config, grid=(14, 20))
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config), grid=(14, 20))
   assert flat(params)[POSEMB].shape == (1, 14 * 20 + 1, 16)
   with pytest.raises(ValueError, match=r"model's position embeddings: 280 grid positions are "
                                        r'not a square grid; give the grid'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config))
   with pytest.raises(ValueError, match=r'grid=\(14, 21\) gives 295 .* the model has 281'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config, grid=(14, 21))
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config), grid=(14, 21))
 
 
 def test_bilinear_resize_interpolates_in_2d_with_corners_aligned():
@@ -227,7 +233,8 @@ def test_missing_and_unexpected_parameters_are_named_with_their_shapes(tmp_path)
   checkpoint.save(params, tmp_path / 'edited.npz')
   config = small_config()
   with pytest.raises(checkpoint.CheckpointError) as error:
-    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (224, 224)), config)
+    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (224, 224)),
+                               model_of(config))
   message = str(error.value)
   assert message.startswith(f'{tmp_path}/edited.npz does not fit the model: ')
   assert 'missing Transformer/encoderblock_0/LayerNorm_1/bias (16,)' in message
@@ -242,7 +249,8 @@ def test_differing_shapes_are_named_with_both_shapes(tmp_path):
   config.transformer.mlp_dim = 24
   with pytest.raises(ValueError, match=r'Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel '
                                        r'is \(16, 32\) in the file but \(16, 24\) in the model'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
+                               model_of(config))
   params = checkpoint.load(tmp_path / 'model.npz')
   params['Transformer']['posembed_input']['pos_embedding'] = np.zeros((1, 197, 8), np.float32)
   checkpoint.save(params, tmp_path / 'edited.npz')
@@ -250,7 +258,8 @@ def test_differing_shapes_are_named_with_both_shapes(tmp_path):
   with pytest.raises(ValueError, match=r'does not fit the model: Transformer/posembed_input/'
                                        r'pos_embedding is \(1, 197, 8\) in the file but '
                                        r'\(1, 577, 16\) in the model\. Check that'):
-    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (384, 384)), config)
+    checkpoint.load_pretrained(tmp_path / 'edited.npz', init_params(config, (384, 384)),
+                               model_of(config))
 
 
 def test_representation_layer_missing_from_the_file_is_an_error(tmp_path):
@@ -258,14 +267,87 @@ def test_representation_layer_missing_from_the_file_is_an_error(tmp_path):
   config = small_config(representation_size=16)
   with pytest.raises(ValueError, match=r'missing pre_logits/bias \(16,\); missing '
                                        r'pre_logits/kernel \(16, 16\)'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
+                               model_of(config))
 
 
 def test_class_token_checkpoint_into_a_gap_model_is_an_error(tmp_path):
   write_pretrained(tmp_path / 'model.npz')
   config = small_config(classifier='gap')
   with pytest.raises(ValueError, match=r'unexpected cls \(1, 1, 16\)'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)), config)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init_params(config, (224, 224)),
+                               model_of(config))
+
+
+def saved_with_spec(path, name='tiny-gap', **fields):
+  """Random params of a tiny model, saved at `path` with its spec; returns (model, params)."""
+  model = models_vit.VisionTransformer(num_classes=5, **{**TINY, **fields})
+  params = random_params(model, (16, 16))
+  checkpoint.save(params, path, spec=models.model_spec(model, name))
+  return model, params
+
+
+def test_saved_spec_rebuilds_the_model_that_computes_the_same_logits(tmp_path):
+  model, params = saved_with_spec(tmp_path / 'model.npz', classifier='gap',
+                                  representation_size=7, approximate_gelu=False)
+  loaded_model, loaded = checkpoint.load_model(tmp_path)  # A folder: its model.npz.
+  assert (loaded_model.classifier, loaded_model.representation_size,
+          loaded_model.approximate_gelu, loaded_model.patch_size) == ('gap', 7, False, (4, 4))
+  images = images_of(16)
+  np.testing.assert_array_equal(logits_of(loaded_model, loaded, images),
+                                logits_of(model, params, images))
+  assert checkpoint.load_model(tmp_path / 'model.npz', dtype=jnp.bfloat16)[0].dtype == jnp.bfloat16
+
+
+def test_spec_is_one_float32_entry_that_parameter_readers_pass_by(tmp_path):
+  model, params = saved_with_spec(tmp_path / 'model.npz')
+  checkpoint.save(params, tmp_path / 'plain.npz')
+  with np.load(tmp_path / 'model.npz') as archive, np.load(tmp_path / 'plain.npz') as plain:
+    assert set(archive.files) - set(plain.files) == {checkpoint.SPEC_KEY}
+    assert archive[checkpoint.SPEC_KEY].dtype == np.float32
+  assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+  # A reader that keeps every entry, as the official vit_jax's does: flax ignores the extra leaf.
+  checkpoint.save(params, tmp_path / 'linen.npz', linen_names=True,
+                  spec=models.model_spec(model))
+  with np.load(tmp_path / 'linen.npz') as archive:
+    everything = traverse_util.unflatten_dict({tuple(k.split('/')): archive[k]
+                                               for k in archive.files})
+  images = images_of(16)
+  np.testing.assert_array_equal(logits_of(model, everything, images),
+                                logits_of(model, params, images))
+
+
+def test_file_without_spec_loads_through_a_registry_name_and_its_overrides(tmp_path):
+  write_pretrained(tmp_path / 'published.npz', representation_size=16)
+  with pytest.raises(checkpoint.CheckpointError, match=r'published.npz holds no model spec .*: '
+                                                       r'name its model with --model NAME'):
+    checkpoint.load_model(tmp_path / 'published.npz')
+  checkpoint.save_model_overrides({'approximate_gelu': False}, tmp_path / 'published.npz')
+  model, _ = checkpoint.load_model(tmp_path / 'published.npz', 'testing')
+  assert (model.num_classes, model.representation_size, model.approximate_gelu) == (7, 16, False)
+
+
+def test_model_name_other_than_the_saved_one_is_an_error(tmp_path):
+  saved_with_spec(tmp_path / 'model.npz', name='tiny-gap')
+  assert checkpoint.load_model(tmp_path, 'tiny-gap')[0].hidden_size == 12
+  with pytest.raises(checkpoint.CheckpointError, match=r'model.npz holds a tiny-gap model \(its '
+                                                       r'saved spec\), not ViT-B_16'):
+    checkpoint.load_model(tmp_path, 'ViT-B_16')
+
+
+def test_model_resolution_comes_from_the_position_embeddings():
+  model = models.get_model('ViT-B_16', num_classes=1000)
+  assert checkpoint.native_image_size(models.param_shapes(model, 384), model) == 384
+  hybrid = models.get_model('R50+ViT-B_16', num_classes=1000)
+  assert checkpoint.native_image_size(models.param_shapes(hybrid, 224), hybrid) == 224
+
+
+def test_classes_and_representation_of_a_file_without_spec_follow_its_params(tmp_path):
+  params = write_pretrained(tmp_path / 'model.npz', representation_size=16)
+  model = checkpoint.model_for_params('testing', params, {'approximate_gelu': False})
+  assert (model.approximate_gelu, model.num_classes, model.representation_size) == (False, 7, 16)
+  with pytest.raises(ValueError, match='has no head/ parameters'):
+    checkpoint.model_for_params('testing', {k: v for k, v in params.items() if k != 'head'}, {})
 
 
 def test_model_overrides_are_recorded_next_to_the_checkpoint(tmp_path):
@@ -330,12 +412,12 @@ def test_published_file_loads_into_a_scanned_model(tmp_path):
   scanned_model = models.get_model(config, num_classes=3, scan_layers=True)
   init = random_params(scanned_model, (224, 224), seed=1)
 
-  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+  params = checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config))
   assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, init)
   assert_trees_equal(checkpoint.unscan_blocks(params)['Transformer']['encoderblock_1'],
                      pretrained['Transformer']['encoderblock_1'])
   per_block = checkpoint.load_pretrained(tmp_path / 'model.npz', checkpoint.unscan_blocks(init),
-                                         config)
+                                         model_of(config))
   images = images_of(224, batch=1)
   np.testing.assert_allclose(logits_of(scanned_model, params, images),
                              logits_of(models.get_model(config, num_classes=3), per_block, images),
@@ -353,7 +435,7 @@ def test_scanned_model_mismatches_are_named_in_the_published_layout(tmp_path):
   init = random_params(models.get_model(config, num_classes=3, scan_layers=True), (224, 224))
   with pytest.raises(ValueError, match=r'Transformer/encoderblock_1/MlpBlock_0/Dense_0/kernel '
                                        r'is \(16, 32\) in the file but \(16, 24\) in the model'):
-    checkpoint.load_pretrained(tmp_path / 'model.npz', init, config)
+    checkpoint.load_pretrained(tmp_path / 'model.npz', init, model_of(config))
   config = two_layer_config()
   config.transformer.num_layers = 3
   with pytest.raises(ValueError, match=r'model.npz does not fit the model: missing '

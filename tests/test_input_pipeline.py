@@ -427,3 +427,10 @@ def test_batch_sizes_that_do_not_divide_are_explained(mesh):
     ip.get_eval_iterator(make_config(batch_eval=12), mesh)
   with pytest.raises(ValueError, match='config.pp.resize=20 is smaller than config.pp.crop=28'):
     next(ip.eval_batches(make_config(pp=dict(resize=20))))
+
+
+def test_shuffle_buffer_comes_from_the_config_alone():
+  config = make_config()
+  del config['shuffle_buffer']  # No second default (the config's is vit_jax/config.py's).
+  with pytest.raises(AttributeError, match='shuffle_buffer'):
+    input_pipeline_sources.get_source(config)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import common
+from vit_jax import config as defaults
 from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import hardware
@@ -118,14 +118,14 @@ def test_help_exits_0_and_lists_the_config_fields_with_values_and_meanings():
   assert '--workdir' in out
   assert '--config.total_steps=60 ' in out  # The value of tests/tiny_config.py.
   assert "--config.pp.crop=28 " in out
-  for meaning in common.FIELD_HELP.values():
+  for meaning in defaults.FIELD_HELP.values():
     assert meaning in out
 
 
 def test_every_config_field_has_a_meaning():
-  config = common.get_config()
+  config = defaults.training_defaults()
   config.model = None  # Described by model_name, whose registry entry fills it.
-  assert set(train.flatten_config(config)) == set(common.FIELD_HELP) | {'model'}
+  assert set(train.flatten_config(config)) == set(defaults.FIELD_HELP) | {'model'}
 
 
 def test_misspelt_config_field_is_one_line_naming_the_close_match():
@@ -136,7 +136,7 @@ def test_misspelt_config_field_is_one_line_naming_the_close_match():
 
 
 def test_unknown_config_field_lists_the_fields_of_its_group():
-  config = common.get_config()
+  config = defaults.training_defaults()
   assert main.unknown_field_error(config, 'pp.crop') is None
   message = main.unknown_field_error(config, 'foo')
   assert message.startswith('--config.foo is not a config field. The fields of config: ')

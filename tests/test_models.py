@@ -1,4 +1,6 @@
 """Tests of the registry, vit_jax/models.py."""
+import json
+
 import jax.numpy as jnp
 import pytest
 
@@ -60,3 +62,22 @@ def test_gflops_of_b16_match_the_paper():
   # ~17.6 G multiply-adds per 224 px image, i.e. ~35 GFLOPs.
   gflops = models.gflops_per_image(models.get_model('ViT-B_16', num_classes=1000))
   assert 34 < gflops < 37
+
+
+def test_spec_is_json_and_rebuilds_every_registry_model_but_its_execution_choices():
+  for name in models.MODEL_CONFIGS:
+    model = models.get_model(name, num_classes=10, dtype=jnp.bfloat16, scan_layers=True)
+    spec = json.loads(json.dumps(models.model_spec(model, name)))
+    assert spec['name'] == name and 'dtype' not in spec['model']
+    assert models.model_from_spec(spec) == model.clone(dtype=jnp.float32, scan_layers=False)
+
+
+def test_spec_of_unknown_or_missing_fields_is_a_clear_error():
+  spec = models.model_spec(models.get_model('testing', num_classes=3), 'testing')
+  with pytest.raises(ValueError, match=r"fields \['mask_token'\] that this vit_jax does not know"):
+    models.model_from_spec({**spec, 'model': {**spec['model'], 'mask_token': True}})
+  del spec['model']['hidden_size']
+  with pytest.raises(ValueError, match=r'Incomplete model spec: .*hidden_size'):
+    models.model_from_spec(spec)
+  with pytest.raises(ValueError, match=r'Not a model spec: \[1, 2\]'):
+    models.model_from_spec([1, 2])

@@ -203,6 +203,23 @@ def test_hybrid_image_not_divisible_by_total_stride_is_a_clear_error():
     model.init(jax.random.key(0), images_of(size=40), train=False)
 
 
+@pytest.mark.parametrize('overrides, image_size, pixels, grid, class_token', [
+    ({}, 16, (4, 4), (4, 4), True),
+    ({'classifier': 'gap'}, (8, 12), (4, 4), (2, 3), False),
+    ({'patch_size': (2, 2), 'resnet_layers': (1, 1)}, (64, 96), (16, 16), (4, 6), True),
+])
+def test_patch_pixels_grid_and_class_token_match_the_tokens_the_model_makes(
+    overrides, image_size, pixels, grid, class_token):
+  model = tiny_vit(**overrides)  # The hybrid's stem: root block and 2 stages, stride 8.
+  assert (model.patch_pixels, model.grid(image_size), model.has_class_token) == (
+      pixels, grid, class_token)
+  h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+  images = jnp.zeros((1, h, w, 3))
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False))['params']
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape[1] == (
+      grid[0] * grid[1] + class_token)
+
+
 def test_weight_standardisation_gives_zero_mean_unit_std_per_output_channel():
   kernel = jax.random.normal(jax.random.key(0), (3, 3, 4, 6)) * 5 + 2
   w = models_resnet.standardize_weight(kernel)

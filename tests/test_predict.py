@@ -8,6 +8,7 @@ import pytest
 
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax import models_vit
 from vit_jax import predict
 
 DATA = os.path.join(os.path.dirname(__file__), 'data')
@@ -80,11 +81,19 @@ def test_other_image_size_resizes_the_position_embeddings(files, capsys):
   assert len(top) == 5 and all(label == f'class {i}' for _, label, i in top)  # No --labels.
 
 
-def test_model_resolution_comes_from_the_position_embeddings():
-  model = models.get_model('ViT-B_16', num_classes=1000)
-  assert predict.native_image_size(models.param_shapes(model, 384), model) == 384
-  hybrid = models.get_model('R50+ViT-B_16', num_classes=1000)
-  assert predict.native_image_size(models.param_shapes(hybrid, 224), hybrid) == 224
+def test_workdir_of_a_run_is_classified_by_its_saved_model(tmp_path, capsys):
+  # As training saves it: a model of no registry name (7x7 patches of 28 px images), its spec.
+  model = models_vit.VisionTransformer(num_classes=3, patch_size=(7, 7), hidden_size=16,
+                                       mlp_dim=32, num_heads=2, num_layers=1)
+  params = random_params(model, 28)
+  checkpoint.save(params, tmp_path / 'model.npz', spec=models.model_spec(model, 'ViT-mini_7'))
+  assert predict.main(['--checkpoint', str(tmp_path), PHOTOS[0]]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f'{PHOTOS[0]} (28x28 px):\n')
+  image = predict.load_image(PHOTOS[0], 28)[None]
+  expected = 100 * np.asarray(jax.nn.softmax(model.apply({'params': params}, image, train=False)))
+  top = parse_output(out)[PHOTOS[0]]
+  assert [i for _, _, i in top] == list(np.argsort(-expected[0])[:3])
 
 
 def test_load_image_resizes_and_scales_to_minus_one_one():
@@ -111,11 +120,3 @@ def test_checkpoint_errors_are_one_line_and_exit_with_2(files, capsys):
                       capsys.readouterr().err)
   assert run(f'{tmp}/model.npz', '--model', 'testing', '--labels', 'imagenet2012') == 2
   assert 'name 1000 classes but the checkpoint has 5' in capsys.readouterr().err
-
-
-def test_fields_recorded_next_to_the_checkpoint_build_the_model(files):
-  params, _ = files
-  model = predict.model_for('testing', params, {'approximate_gelu': False})
-  assert (model.approximate_gelu, model.num_classes, model.representation_size) == (False, 5, None)
-  with pytest.raises(ValueError, match='has no head/ parameters'):
-    predict.model_for('testing', {k: v for k, v in params.items() if k != 'head'}, {})

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from configs import models as model_configs
 from vit_jax import input_pipeline
+from vit_jax import registry
 from vit_jax import sharding
 from vit_jax import train
 import tiny_config
@@ -15,7 +15,8 @@ import tiny_config
 
 def config_for(strategy, mesh_model=1):
   config = tiny_config.get_config()
-  config.model = model_configs.vit('small', patch=7, hidden=128, mlp=512, heads=4, layers=2)
+  config.model_name = 'small'
+  config.model = registry.vit('small', patch=7, hidden=128, mlp=512, heads=4, layers=2)
   config.sharding = strategy
   config.mesh.model = mesh_model
   return config

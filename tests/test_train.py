@@ -1,18 +1,18 @@
 """Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
 import os
 import re
-import shutil
 import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from configs import models as model_configs
 import tiny_config as tiny_config_file
 from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
+from vit_jax import models
+from vit_jax import registry
 from vit_jax import train
 
 
@@ -63,6 +63,14 @@ def test_run_writes_checkpoints_and_published_npz(trained_workdir):
   assert steps == ['40', '60']  # keep_checkpoints = 2
   params = checkpoint.load(os.path.join(workdir, 'model.npz'))
   assert params['head']['kernel'].shape == (32, 10)
+
+
+def test_model_npz_carries_the_spec_of_the_trained_model(trained_workdir):
+  workdir, _ = trained_workdir
+  model, _ = checkpoint.load_model(workdir)  # No model name: tests/tiny_config.py's model.
+  assert (model.patch_size, model.hidden_size, model.mlp_dim, model.num_heads,
+          model.num_layers, model.num_classes) == ((7, 7), 32, 64, 2, 1, 10)
+  assert checkpoint.read_spec(os.path.join(workdir, 'model.npz'))['name'] == 'tiny'
 
 
 def test_resume_ends_with_the_same_params_as_an_uninterrupted_run(trained_workdir, tmp_path):
@@ -152,32 +160,49 @@ def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir, give
   np.testing.assert_array_equal(params['head']['kernel'], trained['head']['kernel'])
 
 
-def copy_of_trained_npz(trained_workdir, tmp_path) -> str:
-  """A copy of the trained run's model.npz in `tmp_path`, to record overrides next to."""
-  copy = str(tmp_path / 'converted.npz')
-  shutil.copy(os.path.join(trained_workdir[0], 'model.npz'), copy)
-  return copy
+def npz_without_spec(trained_workdir, tmp_path) -> str:
+  """The trained run's params saved again without a model spec, as the published files are."""
+  path = str(tmp_path / 'converted.npz')
+  checkpoint.save(checkpoint.load(os.path.join(trained_workdir[0], 'model.npz')), path)
+  return path
 
 
-def test_fine_tune_keeps_the_model_overrides_recorded_with_the_checkpoint(trained_workdir,
-                                                                         tmp_path):
-  converted = copy_of_trained_npz(trained_workdir, tmp_path)
-  # As vit_jax.convert records it: exact GELU.
-  checkpoint.save_model_overrides({'approximate_gelu': False}, converted)
+def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_workdir, tmp_path):
+  params = checkpoint.load(os.path.join(trained_workdir[0], 'model.npz'))
+  converted = str(tmp_path / 'converted.npz')  # As vit_jax.convert writes it: exact GELU.
+  exact = train.build_model(tiny_config(), num_classes=10).clone(approximate_gelu=False)
+  checkpoint.save(params, converted, spec=models.model_spec(exact, 'tiny'))
+  config = tiny_config(pretrained_path=converted)
+  assert not train.build_model(config, num_classes=10).approximate_gelu
+
+
+def test_fine_tune_reads_deprecated_overrides_and_saves_them_in_the_spec(trained_workdir,
+                                                                        tmp_path):
+  converted = npz_without_spec(trained_workdir, tmp_path)
+  checkpoint.save_model_overrides({'approximate_gelu': False}, converted)  # Older converters.
   config = tiny_config(total_steps=2, eval_every=2, checkpoint_every=2, progress_every=1,
                        pretrained_path=converted)
-  assert not train.build_model(config, num_classes=10).approximate_gelu
   train.train_and_evaluate(config, str(tmp_path / 'run'))
-  exported = tmp_path / 'run' / 'model.npz'
-  assert checkpoint.load_model_overrides(exported) == {'approximate_gelu': False}
+  model, _ = checkpoint.load_model(tmp_path / 'run')
+  assert not model.approximate_gelu
 
 
 def test_unreadable_model_overrides_are_a_config_error(trained_workdir, tmp_path):
-  converted = copy_of_trained_npz(trained_workdir, tmp_path)
+  converted = npz_without_spec(trained_workdir, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
   with pytest.raises(train.ConfigError, match=r'converted.overrides.json is not a '
                                               r'model-overrides record'):
     train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
+
+
+def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
+  config = tiny_config(model_name='ViT-Ti_16')
+  with pytest.raises(train.ConfigError, match='crop=28 is not divisible by the patch size 16x16'):
+    train.validate_config(config, num_devices=1)
+  assert config.model.hidden_size == 192  # ViT-Ti (Table 1 of the DeiT paper).
+  with pytest.raises(train.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
+                                              r"\(config.model is 'tiny'\). Known models: "):
+    train.train_and_evaluate(tiny_config(model_name='ViT-Z_1'), str(tmp_path))
 
 
 @pytest.mark.parametrize('overrides, fitting', [
@@ -255,7 +280,7 @@ def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
 def test_pretrained_file_of_another_architecture_is_a_config_error(trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
-  config.model = model_configs.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
+  config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
   with pytest.raises(train.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
                                               r'does not fit tiny: .*\(48,\).*\(32,\)'):
     train.train_and_evaluate(config, str(tmp_path))

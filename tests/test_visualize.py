@@ -72,7 +72,8 @@ def test_npz_checkpoint_writes_every_model_figure(tmp_path, capsys):
     assert_is_figure_png(path)
 
 
-def test_workdir_builds_its_model_from_config_and_draws_training_curves(tmp_path, capsys):
+def test_older_workdir_builds_its_model_from_config_and_draws_training_curves(tmp_path, capsys):
+  """A run of a version that saved no model spec: config.json names the model."""
   from clu import metric_writers  # pylint: disable=g-import-not-at-top (TensorFlow)
   workdir = tmp_path / 'workdir'
   workdir.mkdir()
@@ -123,11 +124,12 @@ def test_missing_checkpoint_is_named(tmp_path, capsys):
       'checkpoint.\n')
 
 
-def test_npz_without_model_name_is_a_clear_error(tmp_path, capsys):
+def test_npz_without_spec_or_model_name_is_a_clear_error(tmp_path, capsys):
   npz = str(tmp_path / 'x.npz')
-  open(npz, 'wb').close()
+  save_random_checkpoint(models.get_model('testing', num_classes=3), 32, npz)
   assert error_of(capsys, ['--checkpoint', npz, '--output', str(tmp_path)]).startswith(
-      f'error: {npz} is an .npz checkpoint: name its model with --model NAME (one of ViT-Ti_16')
+      f'error: {npz} holds no model spec (a published file, or one written before vit_jax saved '
+      'specs): name its model with --model NAME (one of ViT-Ti_16')
 
 
 def test_checkpoint_of_another_model_names_the_mismatched_parameters(tmp_path, capsys):
@@ -147,7 +149,6 @@ def test_missing_image_file_is_a_clear_error(tmp_path, capsys):
   assert error == f'error: {missing}: no such file\n'
 
 
-def test_workdir_without_config_needs_a_model_name(tmp_path, capsys):
+def test_workdir_without_model_npz_is_a_clear_error(tmp_path, capsys):
   error = error_of(capsys, ['--checkpoint', str(tmp_path), '--output', str(tmp_path / 'figures')])
-  config = tmp_path / 'config.json'
-  assert error == f'error: No {config} to build the model from: pass --model NAME.\n'
+  assert error == f'error: No such checkpoint file: {tmp_path / "model.npz"}\n'

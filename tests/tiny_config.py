@@ -3,13 +3,13 @@
 Importable by the tests, and usable on the command line:
 `python -m vit_jax.main --config=tests/tiny_config.py --workdir=DIR`.
 """
-from configs import default
-from configs import models
+from vit_jax import config as defaults
+from vit_jax import registry
 
 
 def get_config():
-  config = default.get_config()
-  config.model = models.vit('tiny', patch=7, hidden=32, mlp=64, heads=2, layers=1)
+  config = defaults.get_config()
+  config.model = registry.vit('tiny', patch=7, hidden=32, mlp=64, heads=2, layers=1)
   config.model_name = 'tiny'
   config.pp.crop = 28
   config.pp.inception_crop = False

@@ -17,26 +17,9 @@ import os
 import jax
 import numpy as np
 
-from vit_jax import checkpoint
 from vit_jax import models_vit
 
 ATTENTION_MODULE = 'MultiHeadDotProductAttention_0'
-
-
-def has_class_token(classifier: str) -> bool:
-  """Whether a model with this classifier puts a class token before the patch tokens."""
-  return classifier in checkpoint.TOKEN_CLASSIFIERS
-
-
-def patch_pixels(model: models_vit.VisionTransformer) -> tuple[int, int]:
-  """Input pixels (height, width) covered by one patch: the patch size times the stem's stride."""
-  return model.patch_size[0] * model.stem_stride, model.patch_size[1] * model.stem_stride
-
-
-def patch_grid(model: models_vit.VisionTransformer, image_size: tuple[int, int]) -> tuple[int, int]:
-  """The (g_h, g_w) grid of patches the model cuts an image of (height, width) pixels into."""
-  (ph, pw), (h, w) = patch_pixels(model), image_size
-  return h // ph, w // pw
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -96,9 +79,9 @@ def mean_attention_distance(attention: np.ndarray, grid: tuple[int, int],
                             pixels: tuple[int, int], class_token: bool) -> np.ndarray:
   """Attention-weighted mean query-key distance in pixels: (L, B, N, T, T) -> (L, N).
 
-  `pixels` is the size of a patch in input pixels (`patch_pixels`). Only patch tokens count: the
-  class token's row and column are dropped and each query's weights renormalised over the patch
-  keys. The distance is averaged over the queries and the B images.
+  `pixels` is the size of a patch in input pixels (the model's `patch_pixels`). Only patch
+  tokens count: the class token's row and column are dropped and each query's weights
+  renormalised over the patch keys. The distance is averaged over the queries and the B images.
   """
   if class_token:
     attention = attention[..., 1:, 1:]

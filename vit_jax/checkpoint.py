@@ -14,6 +14,10 @@ leaves are stacked along a leading layer axis. `scan_blocks` and `unscan_blocks`
 the two layouts; `save` always writes the published per-block one, and `load_pretrained` returns
 the layout of the model it is given.
 
+`save` can store the model's spec (`vit_jax.models.model_spec`) inside the archive, under
+SPEC_KEY; `load_model` rebuilds the model from it, or from a registry name for files without
+one, and takes a training workdir for its `model.npz`.
+
 Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
 Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
 line naming the file, or the parameter path with both shapes.
@@ -24,11 +28,14 @@ import math
 import os
 import zipfile
 import zlib
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
+from flax import traverse_util
+import ml_collections
 import numpy as np
 import scipy.ndimage
-from flax import traverse_util
+
+from vit_jax import models
 
 Params = dict[str, Any]
 
@@ -37,7 +44,12 @@ SCANNED_BLOCKS = ('Transformer', 'encoderblock')
 BLOCK_PREFIX = 'encoderblock_'
 # Spline orders of scipy.ndimage.zoom.
 POSEMB_METHODS = {'bilinear': 1, 'bicubic': 3}
-TOKEN_CLASSIFIERS = ('token', 'token_unpooled')
+# The archive key of the model spec, its JSON text as float32 byte values. Loaders that look
+# parameters up by path (timm's) pass it by. Loaders that keep every entry (the official
+# vit_jax's load_pretrained) get one more float32 leaf, which flax's apply ignores and a
+# gradient step leaves as it is (its gradient is zero), where text would fail to jit.
+SPEC_KEY = 'vit_jax_model_spec'
+WORKDIR_MODEL = 'model.npz'  # Where training writes the final params, in its workdir.
 _PRE_LINEN_TO_LINEN = {
     'MultiHeadDotProductAttention_1': 'MultiHeadDotProductAttention_0',
     'LayerNorm_2': 'LayerNorm_1',
@@ -70,21 +82,37 @@ def _open(path: str, mode: str):
     raise CheckpointError(f'Cannot open {path}: {e.message}') from None
 
 
-def _read_npz(path: str) -> dict[str, np.ndarray]:
-  """All arrays of the archive at `path`, by key."""
+def _read_npz(path: str, keys: Optional[Collection[str]] = None) -> dict[str, np.ndarray]:
+  """The arrays of the archive at `path`, by key: all, or those of `keys` that it holds."""
   with _open(path, 'rb') as f:
     if f.read(2) != b'PK':  # What every zip archive, hence every .npz, starts with.
       raise CheckpointError(f'{path} is not an .npz checkpoint archive (not a zip file).')
     f.seek(0)
     try:
       with np.load(f, allow_pickle=False) as archive:
-        arrays = {key: archive[key] for key in archive.files}
+        arrays = {key: archive[key] for key in archive.files if keys is None or key in keys}
     except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
       raise CheckpointError(
           f'{path} is a damaged .npz checkpoint archive ({type(e).__name__}: {e}).') from None
-  if not arrays:
-    raise CheckpointError(f'{path} is an empty archive: it holds no parameters.')
   return arrays
+
+
+def _decode_spec(arrays: dict[str, np.ndarray], path: str) -> Optional[dict]:
+  """The model spec stored under SPEC_KEY among `arrays`; None if there is none."""
+  if SPEC_KEY not in arrays:
+    return None
+  try:
+    return json.loads(bytes(arrays[SPEC_KEY].astype(np.uint8)).decode())
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f'{path}: its {SPEC_KEY} entry is not a JSON model spec ({e}).'
+                          ) from None
+
+
+def read_spec(path) -> Optional[dict]:
+  """The model spec saved in the .npz at `path` (see `save`), reading nothing else; None for
+  files without one (the published checkpoints, files written by older versions)."""
+  path = os.fspath(path)
+  return _decode_spec(_read_npz(path, keys=(SPEC_KEY,)), path)
 
 
 def _rename_block_modules(path: tuple[str, ...], names: dict[str, str]) -> tuple[str, ...]:
@@ -160,32 +188,46 @@ def _squeeze_group_norm(path: tuple[str, ...], value: np.ndarray) -> np.ndarray:
   return value
 
 
+def load_with_spec(path) -> tuple[Params, Optional[dict]]:
+  """(parameter tree, model spec or None) of a published-layout .npz checkpoint: see `load`."""
+  path = os.fspath(path)
+  arrays = _read_npz(path)
+  spec = _decode_spec(arrays, path)
+  flat = {}
+  for key, value in arrays.items():
+    if key != SPEC_KEY:
+      tree_path = _rename_block_modules(tuple(key.split('/')), _PRE_LINEN_TO_LINEN)
+      flat[tree_path] = _squeeze_group_norm(tree_path, value)
+  if not flat:
+    raise CheckpointError(f'{path} is an empty archive: it holds no parameters.')
+  return traverse_util.unflatten_dict(flat), spec
+
+
 def load(path) -> Params:
   """Reads a published-layout .npz checkpoint into the model's parameter tree.
 
   Accepts pre-linen and linen module numbering and (1, 1, 1, C) or (C,) GroupNorm parameters.
-  Returns a nested dict of numpy arrays (linen names, GroupNorm (C,)).
+  Returns a nested dict of numpy arrays (linen names, GroupNorm (C,)); a saved model spec is
+  left out (`load_with_spec`, `read_spec`).
   """
-  path = os.fspath(path)
-  flat = {}
-  for key, value in _read_npz(path).items():
-    tree_path = _rename_block_modules(tuple(key.split('/')), _PRE_LINEN_TO_LINEN)
-    flat[tree_path] = _squeeze_group_norm(tree_path, value)
-  return traverse_util.unflatten_dict(flat)
+  return load_with_spec(path)[0]
 
 
-def save(params: Params, path, *, linen_names: bool = False) -> None:
+def save(params: Params, path, *, linen_names: bool = False, spec: Optional[dict] = None) -> None:
   """Writes `params` (numpy or jax arrays) as a published-layout .npz archive at `path`.
 
   Encoder blocks get the pre-linen numbering of the published files
   (`MultiHeadDotProductAttention_1`, `LayerNorm_2`, `MlpBlock_3`), or with `linen_names=True`
-  the model's own; scanned params are written per block (`unscan_blocks`). Local files are
+  the model's own; scanned params are written per block (`unscan_blocks`). A model spec
+  (`vit_jax.models.model_spec`) is stored under the key SPEC_KEY. Local files are
   written to a temporary file first and then renamed, so a crash never leaves half a file.
   """
   path = os.fspath(path)
   names = {} if linen_names else _LINEN_TO_PRE_LINEN
   arrays = {'/'.join(_rename_block_modules(p, names)): np.asarray(v)
             for p, v in traverse_util.flatten_dict(unscan_blocks(params)).items()}
+  if spec is not None:
+    arrays[SPEC_KEY] = np.frombuffer(json.dumps(spec).encode(), np.uint8).astype(np.float32)
   if _is_url(path):
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -205,7 +247,11 @@ def model_overrides_path(path: str) -> str:
 
 def save_model_overrides(overrides: dict[str, Any], path, *, note: str = '') -> None:
   """Records, next to checkpoint `path` (at `model_overrides_path(path)`), the VisionTransformer
-  fields the weights need, e.g. {'approximate_gelu': False} for weights trained with exact GELU."""
+  fields the weights need, e.g. {'approximate_gelu': False} for weights trained with exact GELU.
+
+  Deprecated: the model spec saved inside the file (`save(..., spec=...)`) replaces this record,
+  which `load_model` and fine-tuning still read for files without a spec.
+  """
   text = json.dumps({'model_overrides': overrides, 'note': note}, indent=2)
   with _open(model_overrides_path(os.fspath(path)), 'wb') as f:
     f.write(text.encode())
@@ -323,17 +369,18 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
   return resize_posemb(posemb, grid, has_class_token=has_class_token, method=method)
 
 
-def load_pretrained(path, init_params: Params, model_config, *,
+def load_pretrained(path, init_params: Params, model, *,
                     posemb_method: str = 'bilinear',
                     grid: Optional[tuple[int, int]] = None,
                     keep_head: bool = False) -> Params:
-  """The checkpoint at `path`, set up to fine-tune the model freshly initialised as `init_params`.
+  """The checkpoint at `path`, set up to fine-tune `model` (a VisionTransformer), freshly
+  initialised as `init_params`.
 
-  - `pre_logits` is dropped when `model_config.representation_size` is None;
+  - `pre_logits` is dropped when `model.representation_size` is None;
   - `head` is replaced by the freshly initialised one of `init_params` (new classes), or, with
     `keep_head`, kept from the file (the same classes, e.g. continuing at a higher resolution);
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
-    `model_config.classifier` has one) to `grid` = (rows, columns) of patches, by default the
+    `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
     e.g. (384 // 16, 512 // 16).
   Anything else must match `init_params` path by path and shape by shape, or a CheckpointError
@@ -344,12 +391,12 @@ def load_pretrained(path, init_params: Params, model_config, *,
   source = os.fspath(path)
   restored = traverse_util.flatten_dict(unscan_blocks(load(source)))
   target = traverse_util.flatten_dict(unscan_blocks(init_params))
-  if model_config.get('representation_size') is None:
+  if model.representation_size is None:
     restored = {p: v for p, v in restored.items() if p[0] != 'pre_logits'}
   if not keep_head:
     restored = {p: v for p, v in restored.items() if p[0] != 'head'}
     restored.update({p: v for p, v in target.items() if p[0] == 'head'})
-  has_class_token = model_config.classifier in TOKEN_CLASSIFIERS
+  has_class_token = model.has_class_token
   # Resized only when the file and the model agree on the class token; else _check_flat says.
   same_tokens = (('cls',) in restored) == has_class_token
   if POSEMB_PATH in restored and POSEMB_PATH in target and same_tokens:
@@ -360,3 +407,84 @@ def load_pretrained(path, init_params: Params, model_config, *,
   params = traverse_util.unflatten_dict(
       {p: np.asarray(restored[p], dtype=target[p].dtype) for p in target})
   return scan_blocks(params) if is_scanned(init_params) else params
+
+
+# Models from saved files.
+
+
+def model_path(path_or_workdir) -> str:
+  """The .npz of `path_or_workdir`: the path itself, or WORKDIR/model.npz for a folder."""
+  path = os.fspath(path_or_workdir)
+  return os.path.join(path, WORKDIR_MODEL) if os.path.isdir(path) else path
+
+
+def posemb_of(params: Params) -> np.ndarray:
+  """The position embeddings (1, T, D) of `params`; a CheckpointError if they have none."""
+  try:
+    return params['Transformer']['posembed_input']['pos_embedding']
+  except KeyError:
+    raise CheckpointError('The checkpoint has no Transformer/posembed_input/'
+                          'pos_embedding: it is not a ViT checkpoint.') from None
+
+
+def native_image_size(params: Params, model) -> int:
+  """The image size, in pixels, at which the checkpoint's position embeddings form the grid."""
+  num_patches = posemb_of(params).shape[1] - model.has_class_token
+  side, _ = square_grid(num_patches, "The checkpoint's position embeddings "
+                        '(pass --image_size)')
+  return side * model.patch_pixels[0]
+
+
+def model_for_params(name_or_config, params: Params, overrides: dict):
+  """The registry model (a name or a model config) with the classes and representation size of
+  `params`, and the VisionTransformer fields `overrides`: for files without a model spec."""
+  if 'head' not in params:
+    raise CheckpointError(
+        'The checkpoint has no head/ parameters: it extracts features but does not classify.')
+  pre_logits = params.get('pre_logits')
+  return models.get_model(
+      name_or_config, num_classes=params['head']['kernel'].shape[-1],
+      representation_size=None if pre_logits is None else pre_logits['kernel'].shape[-1],
+      **overrides)
+
+
+def _recorded_model_config(path_or_workdir) -> Optional[ml_collections.ConfigDict]:
+  """`config.model` of the run whose workdir is `path_or_workdir`, from its config.json (runs
+  of versions that saved no model spec); None for a file, or a folder without config.json."""
+  config_path = os.path.join(os.fspath(path_or_workdir), 'config.json')
+  if not os.path.isfile(config_path):
+    return None
+  with open(config_path) as f:
+    return ml_collections.ConfigDict(json.load(f)['model'])
+
+
+def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
+  """(model, params) of a saved model: an .npz file, or a training workdir (its model.npz).
+
+  The model is the one of the spec saved in the file (`save`); `overrides` set fields it leaves
+  to the caller, e.g. `dtype=jnp.bfloat16`. A file without a spec (the published checkpoints,
+  files of older versions) needs `model_name`, a registry name whose classes and representation
+  size then follow the parameters, with the fields of a FILE.overrides.json next to it applied
+  (deprecated: files now carry their spec); an older workdir's config.json also names it.
+  Raises a CheckpointError, or FileNotFoundError, whose one line names the file and the fix.
+  """
+  path = model_path(path_or_workdir)
+  params, spec = load_with_spec(path)
+  if spec is None:
+    name_or_config = model_name or _recorded_model_config(path_or_workdir)
+    if name_or_config is None:
+      raise CheckpointError(
+          f'{path} holds no model spec (a published file, or one written before vit_jax saved '
+          f'specs): name its model with --model NAME (one of {", ".join(models.MODEL_CONFIGS)}).')
+    model = model_for_params(name_or_config, params, {**load_model_overrides(path), **overrides})
+  elif model_name and spec.get('name') not in (None, model_name):
+    raise CheckpointError(f'{path} holds a {spec.get("name")} model (its saved spec), not '
+                          f'{model_name}: leave out the model name.')
+  else:
+    try:
+      model = models.model_from_spec(spec, **overrides)
+    except ValueError as e:
+      raise CheckpointError(f'{path}: {e}') from None
+  check_matches(params, models.param_shapes(model, native_image_size(params, model)),
+                source=path)
+  return model, params

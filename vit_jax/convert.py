@@ -9,8 +9,8 @@ ResNet-v2 stem. `vit_jax.torch_layout` holds the names and layouts; besides,
 - both use exact GELU, so the converted model must run with `approximate_gelu=False`, unless
   the file records the tanh approximation as vit_jax.export writes it (timm: `act_layer` in the
   metadata's `timm_model_args`; Hugging Face: `hidden_act` in the config.json beside it); the
-  converter records the choice next to the output, in OUT.overrides.json, which
-  `checkpoint.load_model_overrides` and vit_jax.predict read;
+  converter records the choice in the model spec it saves in the output (`checkpoint.load_model`,
+  vit_jax.predict, visualize and fine-tuning read it);
 - timm's LayerNorm epsilon is ours, 1e-6; Hugging Face configs use 1e-12, which changes the
   outputs by a relative ~1e-6 for activations of unit variance.
 The number of heads is not in the weights: give --model (a registry name, whose shapes are then
@@ -31,6 +31,7 @@ from flax import traverse_util
 
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax import models_vit
 from vit_jax import torch_layout
 
 TIMM = torch_layout.TIMM
@@ -179,15 +180,32 @@ def approximate_gelu(path: str) -> bool:
     return json.load(f).get('hidden_act') in torch_layout.HUGGING_FACE_TANH_GELUS
 
 
-def _check_against_registry(params: dict, model_name: str, source: str) -> None:
-  """A CheckpointError, naming paths and shapes, unless `params` fit registry model `model_name`."""
-  representation = params.get('pre_logits', {}).get('kernel')
-  model = models.get_model(
-      model_name, num_classes=params['head']['kernel'].shape[1] if 'head' in params else 1,
-      representation_size=None if representation is None else representation.shape[1])
-  tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1] - ('cls' in params)
-  image_size = math.isqrt(tokens) * model.patch_size[0] * model.stem_stride
-  shapes = models.param_shapes(model, image_size)
+def converted_model(params: dict, num_heads: int, model_name: Optional[str] = None,
+                    approximate: bool = False):
+  """The VisionTransformer that the converted `params` are: the registry's `model_name`, or
+  without a name the ViT of their shapes with `num_heads` heads (class token or token mean);
+  classes and representation size follow the params (0 classes without a head: features only),
+  the GELU `approximate` (see `approximate_gelu`)."""
+  head, representation = (params.get(name, {}).get('kernel') for name in ('head', 'pre_logits'))
+  fields = dict(num_classes=0 if head is None else head.shape[1], approximate_gelu=approximate,
+                representation_size=None if representation is None else representation.shape[1])
+  if model_name:
+    return models.get_model(model_name, **fields)
+  if 'conv_root' in params:
+    raise checkpoint.CheckpointError('A hybrid (ResNet stem) converts only with --model NAME: '
+                                     'its stem is not described by --num_heads.')
+  kernel = params['embedding']['kernel']  # (P, P, C, D).
+  return models_vit.VisionTransformer(
+      patch_size=kernel.shape[:2], hidden_size=kernel.shape[-1], num_heads=num_heads,
+      mlp_dim=params['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'].shape[1],
+      num_layers=sum(k.startswith('encoderblock_') for k in params['Transformer']),
+      classifier='token' if 'cls' in params else 'gap', **fields)
+
+
+def _check_against_registry(params: dict, model, model_name: str, source: str) -> None:
+  """A CheckpointError, naming paths and shapes, unless `params` fit `model`, the registry's
+  `model_name`."""
+  shapes = models.param_shapes(model, checkpoint.native_image_size(params, model))
   if 'head' not in params:
     shapes = {k: v for k, v in shapes.items() if k != 'head'}
   checkpoint.check_matches(params, shapes, source=f'{source} (as {model_name})')
@@ -197,8 +215,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
-  parser.add_argument('output', help='the .npz to write (published layout); OUT.overrides.json '
-                      'next to it records approximate_gelu')
+  parser.add_argument('output', help='the .npz to write (published layout), with the model spec '
+                      '(which records approximate_gelu)')
   heads = parser.add_mutually_exclusive_group(required=True)
   heads.add_argument('--model', help='registry name (e.g. ViT-B_16): gives the number of heads '
                      'and checks every shape')
@@ -215,18 +233,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model:
       num_heads = models.get_model_config(args.model).transformer.num_heads
     params, layout = convert_state_dict(read_safetensors(args.input), num_heads, args.input)
+    model = converted_model(params, num_heads, args.model, approximate_gelu(args.input))
     if args.model:
-      _check_against_registry(params, args.model, args.input)
-    checkpoint.save(params, args.output, linen_names=args.linen_names)
-    approximate = approximate_gelu(args.input)
-    checkpoint.save_model_overrides({'approximate_gelu': approximate}, args.output,
-                                    note=f'Converted from the {layout} state dict {args.input}.')
+      _check_against_registry(params, model, args.model, args.input)
+    checkpoint.save(params, args.output, linen_names=args.linen_names,
+                    spec=models.model_spec(model, args.model))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   print(f'Converted the {layout} state dict {args.input} ({describe(params)}, {num_heads} heads) '
-        f'to {args.output}. Run it with approximate_gelu={approximate} (recorded in '
-        f'{checkpoint.model_overrides_path(args.output)}).')
+        f'to {args.output}. It runs with approximate_gelu={model.approximate_gelu}, recorded in '
+        'its model spec.')
   return 0
 
 

@@ -4,8 +4,8 @@
     python -m vit_jax.export --checkpoint ViT-B_16.npz --model ViT-B_16 --format hf --out vit_hf
     python -m vit_jax.export --checkpoint WORKDIR --format saved_model --out vit_saved_model
 
-`--checkpoint` is a training workdir (its `config.json` names the model) or an `.npz` (then
-`--model` names its registry model); the image size is the run's crop or the resolution of the
+`--checkpoint` is a training workdir or an `.npz`; files vit_jax wrote carry their model spec,
+a published `.npz` needs `--model` (its registry name). The image size is the resolution of the
 position embeddings. Formats:
 - timm: one .safetensors with the state dict of timm's VisionTransformer (or, for hybrids, its
   `vit_*_r*` models); the arguments that build the matching timm model are printed and kept in
@@ -35,10 +35,10 @@ from typing import Optional
 import numpy as np
 import safetensors.numpy
 
+from vit_jax import checkpoint
 from vit_jax import models_vit
 from vit_jax import predict
 from vit_jax import torch_layout
-from vit_jax import visualize
 
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
 LAYOUTS = {'timm': torch_layout.TIMM, 'hf': torch_layout.HUGGING_FACE}
@@ -269,7 +269,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.labels and args.format != 'hf':
       raise ValueError(f'--labels goes into Hugging Face\'s config.json only; --format '
                        f'{args.format} has no place for class names: drop --labels.')
-    model, params, image_size = visualize.load_model(args.checkpoint, args.model)
+    model, params = checkpoint.load_model(args.checkpoint, args.model)
+    image_size = checkpoint.native_image_size(params, model)
     labels = predict.load_labels(args.labels, model.num_classes)
     export(model, params, image_size, args.format, out, labels)
   except (ValueError, OSError) as e:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from configs import common
+from vit_jax import config as defaults
 from vit_jax import hardware
 from vit_jax import models
 
@@ -80,8 +80,8 @@ def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runne
 
 
 def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
-  """The training defaults of configs/common.py for `model_name` at `batch`."""
-  config = common.with_model(common.get_config(), model_name)
+  """The training defaults of vit_jax/config.py for `model_name` at `batch`."""
+  config = defaults.with_model(defaults.training_defaults(), model_name)
   config.batch, config.dtype, config.optimizer = batch, dtype, optimizer
   return config
 

@@ -385,4 +385,4 @@ def get_source(config):
   """The source `config.dataset` names: the embedded dataset, an image folder or a tfds name."""
   return _cached_source(config.dataset, config.get('tfds_data_dir'),
                         config.get('tfds_manual_dir'), config.get('skip_bad_images', False),
-                        config.get('shuffle_buffer', 10_000))
+                        config.shuffle_buffer)

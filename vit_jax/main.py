@@ -1,8 +1,9 @@
 """Trains or fine-tunes a ViT: `python -m vit_jax.main [--config=FILE[:ARG]] [--workdir=DIR]`.
 
-Without `--config`, trains the default small ViT on the embedded Fashion-MNIST
-(configs/default.py). Every config field can be overridden: `--config.base_lr=0.01`;
-`--help` lists the fields of the config with their values and meanings.
+Without `--config`, trains the default small ViT on the embedded Fashion-MNIST (the package's
+vit_jax/config.py, the same as `--config=configs/default.py`). Every config field can be
+overridden: `--config.base_lr=0.01`; `--help` lists the fields of the config with their values
+and meanings.
 """
 import contextlib
 import datetime
@@ -20,11 +21,10 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
-import configs
-from configs import common
+from vit_jax import config as default_config
 from vit_jax import hardware
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), 'default.py')
+DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
 # Flags that ask for help: absl's (which would exit with status 1), and -h.
 HELP_FLAGS = ('help', 'helpshort', 'helpfull', '?', 'h')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
@@ -84,7 +84,7 @@ def load_config(argv: list[str]) -> ml_collections.ConfigDict:
 def config_help(config: ml_collections.ConfigDict) -> str:
   """The fields of `config`, one a line: `--config.FIELD=VALUE  meaning`."""
   lines = ['Config fields, with the values of this config (set one with --config.FIELD=VALUE):']
-  for field, meaning in common.FIELD_HELP.items():
+  for field, meaning in default_config.FIELD_HELP.items():
     value = field_value(config, field)
     lines.append(f'  {f"--config.{field}={value!r}":<36} {meaning}')
   return '\n'.join(lines)

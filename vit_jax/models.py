@@ -3,16 +3,21 @@
 `python -m vit_jax.models` prints the registry with parameter counts and GFLOPs per image.
 """
 import argparse
-from typing import Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from configs.models import MODEL_CONFIGS
 from vit_jax import models_vit
+from vit_jax.registry import MODEL_CONFIGS
 
-__all__ = ['MODEL_CONFIGS', 'get_model', 'count_params', 'gflops_per_image']
+__all__ = ['MODEL_CONFIGS', 'get_model', 'model_spec', 'model_from_spec', 'count_params',
+           'gflops_per_image']
+
+# VisionTransformer fields that choose how the model runs, not what it computes: left out of
+# its spec, and chosen anew by whoever loads it.
+EXECUTION_FIELDS = ('dtype', 'scan_layers', 'remat_policy')
 
 
 def get_model_config(name: str) -> ml_collections.ConfigDict:
@@ -57,6 +62,42 @@ def get_model(name_or_config: Union[str, ml_collections.ConfigDict], *, num_clas
                      f'{sorted(models_vit.VisionTransformer.__dataclass_fields__)}.')
   kwargs.update(overrides)
   return models_vit.VisionTransformer(num_classes=num_classes, **kwargs)
+
+
+def spec_fields() -> tuple[str, ...]:
+  """The VisionTransformer fields a model spec holds: all but flax's and EXECUTION_FIELDS."""
+  return tuple(f for f in models_vit.VisionTransformer.__dataclass_fields__
+               if f not in ('parent', 'name') + EXECUTION_FIELDS)
+
+
+def model_spec(model: models_vit.VisionTransformer, name: Optional[str] = None) -> dict:
+  """The model as plain, JSON-serialisable data: {'name': name, 'model': {field: value}}.
+
+  The fields are those of `spec_fields()` (tuples become lists); `model_from_spec` inverts it.
+  `name` is a label for messages (e.g. the registry or config name), not used to rebuild.
+  """
+  plain = lambda v: list(v) if isinstance(v, tuple) else v
+  return {'name': name, 'model': {f: plain(getattr(model, f)) for f in spec_fields()}}
+
+
+def model_from_spec(spec: dict, **overrides) -> models_vit.VisionTransformer:
+  """The VisionTransformer of a `model_spec`, with `overrides` for other fields (e.g. dtype).
+
+  A ValueError says why `spec` is not a spec this version reads: not one, unknown fields (a newer
+  version's), or required fields missing.
+  """
+  fields = spec.get('model') if isinstance(spec, dict) else None
+  if not isinstance(fields, dict):
+    raise ValueError(f'Not a model spec: {str(spec)[:200]}; expected '
+                     "{'name': ..., 'model': {field: value}}.")
+  if unknown := sorted(set(fields) - set(spec_fields())):
+    raise ValueError(f'The model spec has fields {unknown} that this vit_jax does not know '
+                     f'(written by a newer version?); it knows {list(spec_fields())}.')
+  kwargs = {f: tuple(v) if isinstance(v, list) else v for f, v in fields.items()}
+  try:
+    return models_vit.VisionTransformer(**{**kwargs, **overrides})
+  except TypeError as e:  # Required fields missing.
+    raise ValueError(f'Incomplete model spec: {e}.') from None
 
 
 def param_shapes(model: models_vit.VisionTransformer, image_size: int = 224):

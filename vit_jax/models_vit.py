@@ -21,6 +21,7 @@ from vit_jax import models_resnet
 
 Dtype = Any
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
+TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token first.
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'everything_saveable')
 LAYERNORM_EPS = 1e-6
@@ -179,12 +180,14 @@ class Encoder1DBlock(nn.Module):
   def __call__(self, inputs, deterministic):
     x = _layer_norm(self.dtype)(inputs)
     x = MultiHeadDotProductAttention(
-        self.num_heads, self.attention_dropout_rate, self.dtype)(x, deterministic=deterministic)
+        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype)(
+            x, deterministic=deterministic)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     x = x + inputs
     y = _layer_norm(self.dtype)(x)
-    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.approximate_gelu, self.dtype)(
-        y, deterministic=deterministic)
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                 approximate_gelu=self.approximate_gelu, dtype=self.dtype)(
+                     y, deterministic=deterministic)
     return x + y
 
 
@@ -238,17 +241,19 @@ class Encoder(nn.Module):
   def __call__(self, x, *, train):
     x = AddPositionEmbs(name='posembed_input')(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-    block_fields = (self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate,
-                    self.approximate_gelu, self.dtype)
+    block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+                        dropout_rate=self.dropout_rate,
+                        attention_dropout_rate=self.attention_dropout_rate,
+                        approximate_gelu=self.approximate_gelu, dtype=self.dtype)
     if self.scan_layers:
       blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
                        split_rngs={'params': True, 'dropout': True}, in_axes=nn.broadcast,
                        length=self.num_layers)
-      x, _ = blocks(*block_fields, name='encoderblock')(x, not train)
+      x, _ = blocks(**block_fields, name='encoderblock')(x, not train)
     else:
       block = self.remat(Encoder1DBlock)
       for i in range(self.num_layers):
-        x = block(*block_fields, name=f'encoderblock_{i}')(x, not train)
+        x = block(**block_fields, name=f'encoderblock_{i}')(x, not train)
     return _layer_norm(self.dtype, name='encoder_norm')(x)
 
 
@@ -287,7 +292,7 @@ class VisionTransformer(nn.Module):
       raise ValueError(f'Expected float images with values in [-1, 1], got {images.dtype}: '
                        'scale them first, e.g. images / 127.5 - 1 for uint8 pixels.')
     stride = self.stem_stride
-    ph, pw = self.patch_size[0] * stride, self.patch_size[1] * stride
+    ph, pw = self.patch_pixels
     _, h, w, _ = images.shape
     if h % ph or w % pw:
       raise ValueError(
@@ -301,23 +306,44 @@ class VisionTransformer(nn.Module):
     """Input pixels per position of the map that is cut into patches (1 without a stem)."""
     return 1 if self.resnet_layers is None else models_resnet.stem_stride(self.resnet_layers)
 
+  @property
+  def patch_pixels(self) -> tuple[int, int]:
+    """Input pixels (height, width) one patch covers: the patch size times the stem's stride."""
+    return self.patch_size[0] * self.stem_stride, self.patch_size[1] * self.stem_stride
+
+  @property
+  def has_class_token(self) -> bool:
+    """Whether a class token precedes the patch tokens (classifiers 'token', 'token_unpooled')."""
+    return self.classifier in TOKEN_CLASSIFIERS
+
+  def grid(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """The (rows, columns) of patches of an image of `image_size` pixels: an int for a square
+    image, or (height, width)."""
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    ph, pw = self.patch_pixels
+    return h // ph, w // pw
+
   @nn.compact
   def __call__(self, images, *, train):
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
       x = models_resnet.resnet_stem(x, self.resnet_layers, self.resnet_width_factor, self.dtype)
-    x = PatchEmbedding(self.hidden_size, self.patch_size, self.dtype, name='embedding')(x)
+    x = PatchEmbedding(hidden_size=self.hidden_size, patch_size=self.patch_size, dtype=self.dtype,
+                       name='embedding')(x)
     b, h, w, d = x.shape
     x = x.reshape(b, h * w, d)
 
-    if self.classifier in ('token', 'token_unpooled'):
+    if self.has_class_token:
       cls = self.param('cls', nn.initializers.zeros, (1, 1, d))
       x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d)), x], axis=1)
 
-    x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, self.dropout_rate,
-                self.attention_dropout_rate, self.approximate_gelu, self.dtype,
-                self.scan_layers, self.remat_policy, name='Transformer')(x, train=train)
+    x = Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+                dropout_rate=self.dropout_rate,
+                attention_dropout_rate=self.attention_dropout_rate,
+                approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+                scan_layers=self.scan_layers, remat_policy=self.remat_policy,
+                name='Transformer')(x, train=train)
 
     if self.classifier == 'token':
       x = x[:, 0]

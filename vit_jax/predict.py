@@ -2,12 +2,14 @@
 
     python -m vit_jax.predict --model ViT-B_16 --checkpoint ViT-B_16_imagenet2012.npz \\
         --labels imagenet2012 cat.jpg dog.png
+    python -m vit_jax.predict --checkpoint WORKDIR cat.jpg
 
 Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
 embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
-values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The number of
-classes and the representation size come from the checkpoint, the rest of the architecture from
---model, and fields recorded next to the checkpoint (by vit_jax.convert) are applied.
+values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
+one whose spec vit_jax saved in the file (training runs, vit_jax.convert); a published file needs
+--model, its registry name, and the number of classes and the representation size then come from
+its parameters.
 A missing file or an image that cannot be decoded is reported by name, the other images are still
 classified, and the exit status is 1.
 """
@@ -22,7 +24,6 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import checkpoint
-from vit_jax import models
 
 BATCH_SIZE = 16
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
@@ -64,42 +65,12 @@ def load_image(path: str, image_size: int) -> np.ndarray:
   return np.asarray(image, np.float32) / 127.5 - 1
 
 
-def model_for(name_or_config, params: dict, overrides: dict):
-  """The registry model (a name or a model config) with the classes and representation size of
-  `params`, and the VisionTransformer fields `overrides` (see checkpoint.load_model_overrides)."""
-  if 'head' not in params:
-    raise checkpoint.CheckpointError(
-        'The checkpoint has no head/ parameters: it extracts features but does not classify.')
-  pre_logits = params.get('pre_logits')
-  return models.get_model(
-      name_or_config, num_classes=params['head']['kernel'].shape[-1],
-      representation_size=None if pre_logits is None else pre_logits['kernel'].shape[-1],
-      **overrides)
-
-
-def posemb_of(params: dict) -> np.ndarray:
-  try:
-    return params['Transformer']['posembed_input']['pos_embedding']
-  except KeyError:
-    raise checkpoint.CheckpointError('The checkpoint has no Transformer/posembed_input/'
-                                     'pos_embedding: it is not a ViT checkpoint.') from None
-
-
-def native_image_size(params: dict, model) -> int:
-  """The image size, in pixels, at which the checkpoint's position embeddings form the grid."""
-  num_patches = posemb_of(params).shape[1] - ('cls' in params)
-  side, _ = checkpoint.square_grid(num_patches, "The checkpoint's position embeddings "
-                                   '(pass --image_size)')
-  return side * model.patch_size[0] * model.stem_stride
-
-
 def resized_to(params: dict, model, image_size: int) -> dict:
   """`params` with the position embeddings resized for `image_size` pixels when needed."""
-  posemb, has_class_token = posemb_of(params), 'cls' in params
-  side = image_size // (model.patch_size[0] * model.stem_stride)
-  if posemb.shape[1] == side * side + has_class_token:
+  posemb, grid = checkpoint.posemb_of(params), model.grid(image_size)
+  if posemb.shape[1] == grid[0] * grid[1] + model.has_class_token:
     return params
-  posemb = checkpoint.resize_posemb(posemb, (side, side), has_class_token=has_class_token)
+  posemb = checkpoint.resize_posemb(posemb, grid, has_class_token=model.has_class_token)
   transformer = dict(params['Transformer'], posembed_input={'pos_embedding': posemb})
   return dict(params, Transformer=transformer)
 
@@ -114,8 +85,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads)')
-  parser.add_argument('--model', required=True, help='registry name, e.g. ViT-B_16')
-  parser.add_argument('--checkpoint', required=True, help='.npz in the published layout')
+  parser.add_argument('--model', help='registry name, e.g. ViT-B_16; needed for files without a '
+                      'saved model spec (the published ones)')
+  parser.add_argument('--checkpoint', required=True,
+                      help='.npz in the published layout, or a training workdir (its model.npz)')
   parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
                       'class name per line; default: class indices')
   parser.add_argument('--image_size', type=int,
@@ -127,12 +100,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
-    params = checkpoint.load(args.checkpoint)
-    model = model_for(args.model, params, checkpoint.load_model_overrides(args.checkpoint))
-    image_size = args.image_size or native_image_size(params, model)
+    model, params = checkpoint.load_model(args.checkpoint, args.model)
+    image_size = args.image_size or checkpoint.native_image_size(params, model)
     params = resized_to(params, model, image_size)
-    checkpoint.check_matches(params, models.param_shapes(model, image_size),
-                             source=args.checkpoint)
     labels = load_labels(args.labels, model.num_classes)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)

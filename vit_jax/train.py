@@ -24,6 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from vit_jax import checkpoint
+from vit_jax import config as defaults
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
@@ -31,6 +32,12 @@ from vit_jax import models_vit
 from vit_jax import sharding
 
 Batch = dict[str, jax.Array]
+
+
+# Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
+# compute without changing their shapes. The others are the config's to choose (classes,
+# dropout) or must match it (the shapes, which load_pretrained checks).
+PRETRAINED_FIELDS = ('approximate_gelu',)
 
 
 class ConfigError(ValueError):
@@ -118,9 +125,6 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
             'config.mesh.model leaves) or greater than 0.')
   if config.warmup_steps < 0:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
-  if not config.model:
-    return (f'Unknown model config.model_name={config.model_name!r}. Known models: '
-            f'{", ".join(models.MODEL_CONFIGS)} (short names in configs/vit.py).')
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
@@ -130,13 +134,17 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ConfigError for a config that cannot train, before anything is compiled."""
+  """Raises ConfigError for a config that cannot train, before anything is compiled; first sets
+  `config.model` to the model `config.model_name` names, where they differ (vit_jax.config)."""
+  try:
+    defaults.resolve_model(config)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if error := (values_error(config) or mesh_error(config, num_devices) or
                batch_split_error(config, data_parallel_size(config, num_devices))):
     raise ConfigError(error)
   check_pretrained_path(config)
-  model = build_model(config, num_classes=1)
-  step = model.stem_stride * np.array(model.patch_size)
+  step = np.array(models.get_model(config.model, num_classes=1).patch_pixels)
   if any(config.pp.crop % step):
     raise ConfigError(
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
@@ -165,19 +173,23 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
 
 
 def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
-  """The model fields recorded next to `config.pretrained_path` (checkpoint.save_model_overrides;
-  e.g. the exact GELU of converted Hugging Face or timm weights); {} without one."""
+  """The PRETRAINED_FIELDS of the model spec saved in `config.pretrained_path` (e.g. the exact
+  GELU of converted Hugging Face or timm weights); for files without a spec, the fields of a
+  FILE.overrides.json next to it (deprecated); {} without either."""
   if not config.pretrained_path:
     return {}
   try:
-    return checkpoint.load_model_overrides(pretrained_file(config))
-  except checkpoint.CheckpointError as e:
+    spec = checkpoint.read_spec(pretrained_file(config))
+    if spec is None:
+      return checkpoint.load_model_overrides(pretrained_file(config))
+    return {f: spec['model'][f] for f in PRETRAINED_FIELDS if f in spec.get('model', {})}
+  except (checkpoint.CheckpointError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
 
 
 def build_model(config: ml_collections.ConfigDict, num_classes: int):
   """The VisionTransformer of `config.model` with the config's dtype, scan and remat settings and
-  the pretrained checkpoint's recorded overrides."""
+  the PRETRAINED_FIELDS of the pretrained checkpoint."""
   return models.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy})
@@ -429,10 +441,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     params = multihost_utils.process_allgather(state.params, tiled=True)
     if is_main:
       export_path = os.path.join(workdir, 'model.npz')
-      checkpoint.save(params, export_path)
-      if overrides := pretrained_overrides(config):
-        checkpoint.save_model_overrides(overrides, export_path,
-                                        note=f'Fine-tuned from {config.pretrained_path}.')
+      checkpoint.save(params, export_path, spec=models.model_spec(model, config.model_name))
       logging.info('Wrote the final params to %s.', export_path)
   return last_metrics
 
@@ -533,7 +542,7 @@ def load_pretrained_params(config, model):
   fresh = init_params(config, model, config.pp.crop)
   try:
     return checkpoint.load_pretrained(pretrained_file(config), jax.device_get(fresh),
-                                      config.model, posemb_method=config.posemb_method,
+                                      model, posemb_method=config.posemb_method,
                                       keep_head=config.pretrained_keep_head)
   except (ValueError, KeyError) as e:
     raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not fit '

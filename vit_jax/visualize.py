@@ -4,10 +4,11 @@
     python -m vit_jax.visualize --checkpoint ViT-B_16.npz --model ViT-B_16 \\
         --images cat.jpg dog.png --output figures/
 
-`--checkpoint` is a published `.npz` (then `--model` names its registry model and the image size
-follows from the position embeddings) or a training workdir (`model.npz`, `config.json` and the
-TensorBoard events). Without `--images`, the first `--num_images` test images of the embedded
-Fashion-MNIST set are used. Each figure written is printed as its path:
+`--checkpoint` is an `.npz` or a training workdir (its `model.npz` and TensorBoard events). Files
+that vit_jax wrote carry their model's spec; a published `.npz` needs `--model`, its registry
+name. The image size follows from the position embeddings. Without `--images`, the first
+`--num_images` test images of the embedded Fashion-MNIST set are used. Each figure written is
+printed as its path:
 
 - attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
   to the patches, over each image.
@@ -22,7 +23,6 @@ The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotl
 (made without pyplot, so no display is needed) for reuse in notebooks.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -33,13 +33,11 @@ import matplotlib.cm
 import matplotlib.colors
 import matplotlib.ticker
 from matplotlib.figure import Figure
-import ml_collections
 import numpy as np
 from PIL import Image
 
 from vit_jax import analysis
 from vit_jax import checkpoint
-from vit_jax import models
 from vit_jax import predict
 
 FIGURES = ('attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
@@ -54,38 +52,12 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 # Loading a model, its parameters and images.
 
 
-def read_workdir_config(workdir: str) -> dict:
-  """The run's `config.json`; a FileNotFoundError that names the path and the fix if absent."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'No {path} to build the model from: pass --model NAME.')
-  with open(path) as f:
-    return json.load(f)
-
-
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
-  """(model, params, image size) of an `.npz` checkpoint or a training workdir.
-
-  A workdir's model and image size come from its `config.json` (`model`, `pp.crop`) unless
-  `model_name` is given; an `.npz` needs `model_name`, and its position embeddings give the
-  image size. Classes, representation size and recorded overrides follow the checkpoint, as in
-  `vit_jax.predict`.
-  """
-  if os.path.isdir(checkpoint_path):
-    params_path = os.path.join(checkpoint_path, 'model.npz')
-    config = {} if model_name else read_workdir_config(checkpoint_path)
-    model_config = model_name or ml_collections.ConfigDict(config['model'])
-    image_size = config.get('pp', {}).get('crop')
-  elif model_name is None:
-    raise ValueError(f'{checkpoint_path} is an .npz checkpoint: name its model with '
-                     f'--model NAME (one of {", ".join(models.MODEL_CONFIGS)}).')
-  else:
-    params_path, model_config, image_size = checkpoint_path, model_name, None
-  params = checkpoint.load(params_path)
-  model = predict.model_for(model_config, params, checkpoint.load_model_overrides(params_path))
-  image_size = image_size or predict.native_image_size(params, model)
-  checkpoint.check_matches(params, models.param_shapes(model, image_size), source=params_path)
-  return model, params, image_size
+  """(model, params, image size) of an `.npz` checkpoint or a training workdir, as
+  `checkpoint.load_model` builds them (from the saved spec, or the registry's `model_name`); the
+  image size is the one of the position embeddings."""
+  model, params = checkpoint.load_model(checkpoint_path, model_name)
+  return model, params, checkpoint.native_image_size(params, model)
 
 
 def embedded_images(num_images: int, size: int) -> np.ndarray:
@@ -224,7 +196,7 @@ def attention_statistics(model, params, images: np.ndarray, grid: tuple[int, int
   Returns rollout maps (B, 1, g_h, g_w), per-layer maps (B, L, g_h, g_w), the last layer's
   per-head maps (B, N, g_h, g_w) and the distances (L, N) averaged over all B images.
   """
-  class_token = analysis.has_class_token(model.classifier)
+  class_token = model.has_class_token
   to_map = lambda matrix: analysis.token_to_patch_map(matrix, grid, class_token)
   rollouts, layers, heads, distance_sum = [], [], [], 0
   for start in range(0, len(images), BATCH_SIZE):
@@ -234,7 +206,7 @@ def attention_statistics(model, params, images: np.ndarray, grid: tuple[int, int
     layers.append(to_map(attention.mean(axis=2)).transpose(1, 0, 2, 3))
     heads.append(to_map(attention[-1]))
     distance_sum += len(batch) * analysis.mean_attention_distance(
-        attention, grid, analysis.patch_pixels(model), class_token)
+        attention, grid, model.patch_pixels, class_token)
   return (np.concatenate(rollouts), np.concatenate(layers), np.concatenate(heads),
           distance_sum / len(images))
 
@@ -242,8 +214,8 @@ def attention_statistics(model, params, images: np.ndarray, grid: tuple[int, int
 def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
                   wanted: Sequence[str]) -> dict[str, Figure]:
   """The figures in `wanted` that need the model and its parameters."""
-  grid = analysis.patch_grid(model, (image_size, image_size))
-  class_token = analysis.has_class_token(model.classifier)
+  grid = model.grid(image_size)
+  class_token = model.has_class_token
   source = 'class token' if class_token else 'token mean'
   figures = {}
   if {'attention_rollout', 'attention_layers', 'attention_heads',
@@ -281,7 +253,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True,
                       help='A .npz checkpoint or a training workdir.')
-  parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
+  parser.add_argument('--model', help='Registry model name; needed for files without a saved '
+                      'model spec (the published ones).')
   parser.add_argument('--output', required=True, help='Folder the PNG files are written to.')
   parser.add_argument('--images', nargs='+', default=[], help='Image files to draw attention on.')
   parser.add_argument('--num_images', type=int, default=4,

@@ -1,4 +1,4 @@
-"""Model configurations of the registry (`vit_jax.models.MODEL_CONFIGS`).
+"""The model registry: the configurations of the published models, by name (`MODEL_CONFIGS`).
 
 Sizes follow Table 1 of the paper (hidden size D, MLP size, heads, layers):
 Ti 192/768/3/12, S 384/1536/6/12, B 768/3072/12/12, L 1024/4096/16/24, H 1280/5120/16/32.

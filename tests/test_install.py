@@ -1,0 +1,69 @@
+"""Tests of the installed package (setup.py): vit_jax stands alone, without the repository.
+
+The package is installed, not editable, into a fresh virtual environment that sees the
+installed dependencies (nothing is downloaded), and used from a folder that holds a decoy
+`configs` package, as many projects have one.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300  # Seconds any one command may run.
+DECOY = 'raise ImportError("the decoy configs package was imported")\n'
+
+
+def run(command, cwd, env=None):
+  """Runs `command` in `cwd` without the checkout on PYTHONPATH; fails with its output."""
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'} | (env or {})
+  result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+  assert result.returncode == 0, f'{command} failed:\n{result.stdout}\n{result.stderr}'
+  return result.stdout
+
+
+@pytest.fixture(name='installed', scope='module')
+def fixture_installed(tmp_path_factory):
+  """(python of a venv with vit_jax installed from a copy of the sources, a folder whose
+  `configs` package is a decoy, that venv's site-packages)."""
+  tmp = tmp_path_factory.mktemp('install')
+  source = tmp / 'source'  # A copy, so that the build leaves nothing in the checkout.
+  shutil.copytree(os.path.join(ROOT, 'vit_jax'), source / 'vit_jax',
+                  ignore=shutil.ignore_patterns('__pycache__'))
+  shutil.copy(os.path.join(ROOT, 'setup.py'), source)
+  run([sys.executable, '-m', 'venv', '--system-site-packages', str(tmp / 'venv')], tmp)
+  python = str(tmp / 'venv' / 'bin' / 'python')
+  run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-build-isolation', str(source)],
+      tmp)
+  site_packages = run([python, '-c', 'import sysconfig; print(sysconfig.get_path("purelib"))'],
+                      tmp).strip()
+  (tmp / 'elsewhere' / 'configs').mkdir(parents=True)
+  (tmp / 'elsewhere' / 'configs' / '__init__.py').write_text(DECOY)
+  return python, tmp / 'elsewhere', site_packages
+
+
+def test_install_holds_vit_jax_and_no_top_level_configs(installed):
+  _, _, site_packages = installed
+  assert os.path.isfile(os.path.join(site_packages, 'vit_jax', 'registry.py'))
+  assert not os.path.exists(os.path.join(site_packages, 'configs'))
+
+
+def test_models_import_with_a_decoy_configs_package_ahead_on_the_path(installed):
+  python, elsewhere, site_packages = installed
+  out = run([python, '-c', 'import vit_jax.models as m; print(m.__file__); '
+             'print(m.MODEL_CONFIGS["ViT-B_16"].hidden_size)'], elsewhere,
+            env={'PYTHONPATH': str(elsewhere)})
+  module_file, hidden_size = out.split()
+  assert module_file.startswith(site_packages)
+  assert hidden_size == '768'  # Table 1 of the paper.
+
+
+def test_main_finds_its_default_config_in_the_package_from_another_folder(installed):
+  python, elsewhere, site_packages = installed
+  out = run([python, '-c', 'from absl import flags; from vit_jax import main; '
+             'flags.FLAGS(["main"]); print(main.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
+            elsewhere, env={'PYTHONPATH': str(elsewhere)})
+  assert out.split() == [os.path.join(site_packages, 'vit_jax', 'config.py'), 'ViT-mini_7']
