@@ -1,4 +1,4 @@
-"""Tests of the installed environment: what the README's commands import resolves, and a tfds
+"""Tests of the installed requirements: what the README's commands import resolves, and a tfds
 dataset prepares and trains by name without the internet, as `cifar10` does with it.
 """
 import ast
@@ -26,8 +26,9 @@ def readme_modules() -> set[str]:
   with open(os.path.join(ROOT, 'README.md')) as f:
     readme = f.read()
   modules = set(re.findall(r'python -m ([\w.]+)', readme))
+  modules.update(re.findall(r'^import ([\w.]+)', readme, re.MULTILINE))
   for package, names in re.findall(r'^from ([\w.]+) import ([\w, ]+)$', readme, re.MULTILINE):
-    modules.update(f'{package}.{name.strip()}' for name in names.split(','))
+    modules.update(f'{package}.{name.split()[0]}' for name in names.split(','))
   return modules
 
 
