@@ -26,6 +26,7 @@ def test_quick_start_prints_the_projects_lines_only(tmp_path):
   log = '\n'.join(lines)
   assert len(lines) <= MAX_LINES, log
   assert max(map(len, lines)) <= 200, log
+  assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), log  # All logged, none printed.
   assert not re.search(r'^I\d{4} |orbax|CheckpointManager|Hyperparameters|oneDNN', log,
                        re.MULTILINE | re.IGNORECASE), log
   for expected in (r'Workdir: ', r'Mesh: ', r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs',
