@@ -16,6 +16,7 @@ setuptools.setup(
         'clu>=0.0.12',
         'ml-collections>=1.1',
         'tensorflow-datasets>=4.9',
+        'importlib_resources>=5',  # tfds prepares datasets with it; declares it for Python < 3.9.
         'tensorflow-cpu>=2.21',
         'tensorboard>=2.21',
         'numpy>=2.0',
@@ -23,5 +24,6 @@ setuptools.setup(
         'safetensors>=0.7',
         'pillow>=11',
         'matplotlib>=3.10',
+        'tqdm>=4.60',
     ],
 )

@@ -16,7 +16,7 @@ MODELS = {
     'h14': 'ViT-H_14', 's16_gap': 'ViT-S_16-gap', 's32_gap': 'ViT-S_32-gap',
     'b16_gap': 'ViT-B_16-gap', 'b32_gap': 'ViT-B_32-gap', 'r_ti16': 'R+ViT-Ti_16',
     'r26_s32': 'R26+ViT-S_32', 'r26_b32': 'R26+ViT-B_32', 'r50_b16': 'R50+ViT-B_16',
-    'r50_l32': 'R50+ViT-L_32', 'testing': 'testing',
+    'r50_l32': 'R50+ViT-L_32',
 }
 
 # Fine-tuning presets of the paper's transfer experiments (Appendix B.1.1), at 384 px.

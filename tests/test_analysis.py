@@ -174,3 +174,17 @@ def test_grid_that_does_not_fit_the_tokens_is_a_clear_error():
     analysis.token_to_patch_map(np.eye(17), (3, 5), class_token=True)
   with pytest.raises(ValueError, match='16 patch position embeddings do not fill a 4x5 grid'):
     analysis.position_similarity(np.ones((1, 17, 8)), (4, 5), class_token=True)
+
+
+def test_grey_input_components_are_of_the_channel_sums():
+  rng = np.random.default_rng(0)
+  u = rng.normal(size=(4, 4))
+  u /= np.linalg.norm(u)  # The one direction in which the filters' channel sums vary.
+  # Large differences between the channels, which a grey image (equal channels) does not see.
+  unseen = 5 * rng.normal(size=(4, 4, 3, 10))
+  unseen -= unseen.mean(axis=2, keepdims=True)
+  kernel = unseen + u[:, :, None, None] * rng.normal(size=10) / 3
+  components, variance_ratio = analysis.embedding_filter_components(kernel, grey_input=True)
+  assert components.shape == (9, 4, 4, 1)
+  np.testing.assert_allclose(abs(components[0].ravel() @ u.ravel()), 1, atol=1e-6)
+  np.testing.assert_allclose(variance_ratio[0], 1, atol=1e-6)

@@ -4,7 +4,6 @@ The tfds dataset is written from the embedded data into a temporary `data_dir` a
 name, the way users read `cifar10`; the image folder is written as PNG/JPEG files.
 """
 import collections
-import io
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import tensorflow_datasets as tfds
 
 from vit_jax import input_pipeline as ip
 from vit_jax import input_pipeline_sources
+import tiny_tfds
 
 with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
   EMBEDDED = {name: data[name] for name in data.files}  # Decompressed once.
@@ -57,34 +57,10 @@ def embedded_rgb(images: np.ndarray) -> np.ndarray:
 # Sources for the tests.
 
 
-class TinyFashionMnist(tfds.core.GeneratorBasedBuilder):
-  """120 train and 40 test images of the embedded data, as a tfds dataset."""
-  VERSION = tfds.core.Version('1.0.0')
-
-  def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        'image': tfds.features.Image(shape=(28, 28, 1)),
-        'label': tfds.features.ClassLabel(names=[str(n) for n in EMBEDDED['label_names']]),
-    }))
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {'train': self._generate_examples('train', 120),
-            'test': self._generate_examples('test', 40)}
-
-  def _generate_examples(self, split, count):
-    for i in range(count):
-      png = io.BytesIO()
-      Image.fromarray(EMBEDDED[f'{split}_images'][i]).save(png, format='png')
-      png.seek(0)
-      yield i, {'image': png,
-                'label': EMBEDDED[f'{split}_labels'][i]}
-
-
 @pytest.fixture(scope='module')
 def tfds_config_factory(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp('tfds'))
-  TinyFashionMnist(data_dir=data_dir).download_and_prepare(
+  tiny_tfds.TinyFashionMnist(data_dir=data_dir).download_and_prepare(
       download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return lambda **kw: make_config(dataset='tiny_fashion_mnist', tfds_data_dir=data_dir, **kw)
 

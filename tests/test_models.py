@@ -39,9 +39,11 @@ def test_registry_holds_every_published_model():
   assert set(PUBLISHED_SIZES) <= set(models.MODEL_CONFIGS)
 
 
-def test_unknown_model_lists_known_names():
-  with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_99'.*ViT-B_16.*R50\+ViT-B_16"):
+def test_unknown_model_lists_known_names_but_not_the_internal_testing_model():
+  with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_99'.*ViT-B_16.*R50\+ViT-B_16") as e:
     models.get_model('ViT-X_99', num_classes=10)
+  assert 'testing' not in str(e.value)
+  assert 'testing' not in models.LISTED_MODELS and 'testing' in models.MODEL_CONFIGS
 
 
 def test_overrides_replace_fields_and_unknown_ones_fail():

@@ -6,10 +6,12 @@ import jax
 import ml_collections
 import numpy as np
 from PIL import Image
+import pytest
 
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import visualize
+import tiny_config
 
 MODEL_FIGURES = ['attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
                  'mean_attention_distance', 'embedding_filters']
@@ -70,6 +72,35 @@ def test_npz_checkpoint_writes_every_model_figure(tmp_path, capsys):
   assert 'Skipped training_curves: it needs a training workdir' in errors
   for path in paths:
     assert_is_figure_png(path)
+
+
+@pytest.mark.parametrize('image_size', [28, 56])
+def test_titles_fit_maps_cover_images_and_grey_filters_are_grey(image_size):
+  model = models.get_model(tiny_config.get_config().model, num_classes=10)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                        models.param_shapes(model, image_size))
+  name = '20261130-211425-c4l97bb5'  # A timestamped workdir's name.
+  figures = visualize.model_figures(model, params, image_size,
+                                    visualize.embedded_images(3, image_size), name,
+                                    visualize.FIGURES, grey_input=True)
+  steps = np.arange(1, 11)
+  figures['training_curves'] = visualize.plot_training_curves(
+      {'train_loss': (steps, 1 / steps)}, f'{name}: training')
+  assert sorted(figures) == sorted(visualize.FIGURES)
+  for figure_name, fig in figures.items():
+    fig.canvas.draw()
+    drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # In inches.
+    width, height = fig.get_size_inches()
+    assert (drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= width + 0.01 and
+            drawn.y1 <= height + 0.01), (figure_name, drawn, (width, height))
+    assert fig.get_suptitle().replace('\n', ' ').startswith(f'{name}: '), figure_name
+  for figure_name in ('attention_rollout', 'attention_layers', 'attention_heads'):
+    for ax in figures[figure_name].axes:
+      if len(ax.images) == 2:  # An image and the map over it: the same pixels.
+        assert ax.images[1].get_extent() == ax.images[0].get_extent(), figure_name
+  assert all(ax.images[0].get_array().ndim == 2  # Grey, not RGB.
+             for ax in figures['embedding_filters'].axes if ax.images)
 
 
 def test_older_workdir_builds_its_model_from_config_and_draws_training_curves(tmp_path, capsys):

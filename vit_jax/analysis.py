@@ -111,15 +111,20 @@ def position_similarity(pos_embedding: np.ndarray, grid: tuple[int, int],
   return (unit @ unit.T).reshape(tuple(grid) * 2)
 
 
-def embedding_filter_components(kernel: np.ndarray, num_components: int = 28):
+def embedding_filter_components(kernel: np.ndarray, num_components: int = 28,
+                                grey_input: bool = False):
   """Principal components of the D patch-embedding filters of a (P, P, C, D) kernel.
 
   Returns the components, (K, P, P, C) unit vectors ordered by decreasing variance, and the
   fraction of the filters' variance each explains, (K,); K = min(num_components, D - 1, P*P*C),
   as the D centred filters span at most D - 1 dimensions.
   Each component's sign is arbitrary.
+  With `grey_input` (a model trained on grey images repeated into its C channels) a filter acts
+  on an image as the sum of its channels: the components are of those sums, (K, P, P, 1).
   """
   kernel = np.asarray(kernel, np.float64)
+  if grey_input:
+    kernel = kernel.sum(axis=2, keepdims=True)
   filters = kernel.reshape(-1, kernel.shape[-1]).T  # (D, P*P*C)
   centred = filters - filters.mean(axis=0)
   _, singular_values, components = np.linalg.svd(centred, full_matrices=False)

@@ -475,7 +475,7 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
     if name_or_config is None:
       raise CheckpointError(
           f'{path} holds no model spec (a published file, or one written before vit_jax saved '
-          f'specs): name its model with --model NAME (one of {", ".join(models.MODEL_CONFIGS)}).')
+          f'specs): name its model with --model NAME (one of {", ".join(models.LISTED_MODELS)}).')
     model = model_for_params(name_or_config, params, {**load_model_overrides(path), **overrides})
   elif model_name and spec.get('name') not in (None, model_name):
     raise CheckpointError(f'{path} holds a {spec.get("name")} model (its saved spec), not '

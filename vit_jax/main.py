@@ -22,6 +22,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from vit_jax import config as default_config
+from vit_jax import console
 from vit_jax import hardware
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
@@ -37,6 +38,9 @@ flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
                     'holding a checkpoint resumes from it. Default: a fresh folder under '
                     './workdirs.')
+flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
+                  '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
+                  'libraries\' warnings, and a live progress bar on a terminal.')
 
 
 def fresh_workdir() -> str:
@@ -143,7 +147,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.getLogger().setLevel(logging.INFO)
+  console.setup(log_all=flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
   if not initialize_distributed():  # One process: on a CPU host, one device per core.
     hardware.use_one_device_per_core(functools.partial(train.fits_devices, flags.FLAGS.config))

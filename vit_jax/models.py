@@ -12,9 +12,11 @@ import ml_collections
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS
 
-__all__ = ['MODEL_CONFIGS', 'get_model', 'model_spec', 'model_from_spec', 'count_params',
-           'gflops_per_image']
+__all__ = ['MODEL_CONFIGS', 'LISTED_MODELS', 'get_model', 'model_spec', 'model_from_spec',
+           'count_params', 'gflops_per_image']
 
+# The registry names shown to users: all but the tiny 'testing' model the tests build.
+LISTED_MODELS = tuple(name for name in MODEL_CONFIGS if name != 'testing')
 # VisionTransformer fields that choose how the model runs, not what it computes: left out of
 # its spec, and chosen anew by whoever loads it.
 EXECUTION_FIELDS = ('dtype', 'scan_layers', 'remat_policy')
@@ -23,7 +25,7 @@ EXECUTION_FIELDS = ('dtype', 'scan_layers', 'remat_policy')
 def get_model_config(name: str) -> ml_collections.ConfigDict:
   """A copy of the registry's config `name`; a ValueError that lists the known names if unknown."""
   if name not in MODEL_CONFIGS:
-    raise ValueError(f'Unknown model {name!r}. Known models: {", ".join(MODEL_CONFIGS)}.')
+    raise ValueError(f'Unknown model {name!r}. Known models: {", ".join(LISTED_MODELS)}.')
   return MODEL_CONFIGS[name].copy_and_resolve_references()
 
 
@@ -133,7 +135,7 @@ def main():
   args = parser.parse_args()
   print(f'{"model":<18} {"params":>13} {"GFLOPs/image":>13}   at {args.image_size} px, '
         f'{args.num_classes} classes')
-  for name in MODEL_CONFIGS:
+  for name in LISTED_MODELS:
     model = get_model(name, num_classes=args.num_classes)
     size = args.image_size
     print(f'{name:<18} {count_params(model, size):>13,} {gflops_per_image(model, size):>13.2f}',

@@ -347,8 +347,10 @@ def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
 
 
 def save_checkpoint(manager: ocp.CheckpointManager, state: TrainState, data_state: dict):
-  manager.save(int(jax.device_get(state.step)), args=ocp.args.Composite(
+  step = int(jax.device_get(state.step))
+  manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+  logging.info('step %d: checkpoint -> %s', step, os.path.join(manager.directory, str(step)))
 
 
 def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
@@ -419,14 +421,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_step = jit_train_step(model, optimizer, config, mesh, shardings)
   eval_step = jax.jit(make_eval_step(model))
 
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
+  writer = metric_writers.AsyncMultiWriter([metric_writers.SummaryWriter(workdir)] if is_main
+                                           else [])
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
   peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
   peak_flops *= jax.process_count()
-  logging.info('%s: %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
-               config.model_name, flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
+  logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
+               config.model_name, f'{models.count_params(model, config.pp.crop):,}',
+               flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
 
   preemption = PreemptionWatcher()
   try:
@@ -478,7 +483,7 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, ma
                  f'ETA {_format_seconds(eta)}')
       writer.write_scalars(step, logged)
       logging.info('step %d/%d: loss %.4f%s', step, config.total_steps, logged['train_loss'],
-                   speed)
+                   speed, extra={'progress': (step, config.total_steps)})  # A bar on a terminal.
       last_metrics.update(logged)
       timer_start, timer_step = time.perf_counter(), step
     if step % config.eval_every == 0 or step == config.total_steps:

@@ -16,22 +16,26 @@ printed as its path:
 - attention_heads: the same for each head of the last layer.
 - position_similarity: cosine similarity between the position embeddings of the patches.
 - mean_attention_distance: per layer and head, the mean distance attention reaches, in pixels.
-- embedding_filters: the first 28 principal components of the RGB patch-embedding filters.
+- embedding_filters: the first 28 principal components of the RGB patch-embedding filters
+  (of their channel sums, in grey, for a workdir trained on the grey embedded Fashion-MNIST).
 - training_curves: loss, accuracy and learning rate against step (workdirs only).
 
 The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotlib Figures
 (made without pyplot, so no display is needed) for reuse in notebooks.
 """
 import argparse
+import json
 import math
 import os
 import sys
+import textwrap
 from typing import Optional, Sequence
 
 import matplotlib
 import matplotlib.cm
 import matplotlib.colors
 import matplotlib.ticker
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 import numpy as np
 from PIL import Image
@@ -50,6 +54,16 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
                 ('Learning rate', ('learning_rate',)))
 
 # Loading a model, its parameters and images.
+
+
+def trained_on_grey(checkpoint_path: str) -> bool:
+  """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
+  from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
+  path = os.path.join(checkpoint_path, 'config.json')
+  if not os.path.isfile(path):
+    return False
+  with open(path) as f:
+    return json.load(f).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
@@ -77,6 +91,16 @@ def _to_display(image: np.ndarray) -> np.ndarray:
   return np.clip((image + 1) / 2, 0, 1)
 
 
+def set_title(fig: Figure, title: str) -> None:
+  """`title` above the whole figure, wrapped at spaces into as few lines as fit its width."""
+  renderer = FigureCanvasAgg(fig).get_renderer()
+  text = fig.suptitle(title)
+  for width in range(len(title), 0, -1):
+    text.set_text(textwrap.fill(title, width))
+    if text.get_window_extent(renderer).width <= fig.bbox.width:
+      return
+
+
 def plot_maps_over_images(images: np.ndarray, maps: np.ndarray, column_titles: Sequence[str],
                           title: str) -> Figure:
   """Each image, then its K maps overlaid: images (B, H, W, 3) in [-1, 1], maps (B, K, g_h, g_w).
@@ -94,9 +118,9 @@ def plot_maps_over_images(images: np.ndarray, maps: np.ndarray, column_titles: S
   for b in range(num_images):
     axes[b, 0].imshow(_to_display(images[b]))
     for k in range(num_maps):
-      axes[b, k + 1].imshow(_to_display(images[b]))
+      image = axes[b, k + 1].imshow(_to_display(images[b]))
       axes[b, k + 1].imshow(relative[b, k], cmap=MAP_COLORMAP, alpha=0.6, vmin=0, vmax=1,
-                            extent=(0, w, h, 0), interpolation='bilinear')
+                            extent=image.get_extent(), interpolation='bilinear')
   for ax in axes.ravel():
     ax.set_xticks([])
     ax.set_yticks([])
@@ -104,7 +128,7 @@ def plot_maps_over_images(images: np.ndarray, maps: np.ndarray, column_titles: S
     ax.set_title(column_title, fontsize=9)
   scale = matplotlib.cm.ScalarMappable(matplotlib.colors.Normalize(0, 1), MAP_COLORMAP)
   fig.colorbar(scale, ax=axes, shrink=0.8, label='Attention / its maximum')
-  fig.suptitle(title)
+  set_title(fig, title)
   return fig
 
 
@@ -126,7 +150,7 @@ def plot_position_similarity(similarity: np.ndarray, title: str) -> Figure:
   ax.set_xlabel('Input patch column')
   ax.set_ylabel('Input patch row')
   fig.colorbar(shown, ax=ax, label='Cosine similarity')
-  ax.set_title(title)
+  set_title(fig, title)
   return fig
 
 
@@ -146,13 +170,14 @@ def plot_mean_attention_distance(distances: np.ndarray, image_size: int, title: 
   ax.set_xlim(0.5, num_layers + 0.5)
   ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   ax.set_ylim(0, max(image_size, 1.05 * distances.max()))
-  ax.set_title(title)
+  set_title(fig, title)
   return fig
 
 
 def plot_embedding_filters(components: np.ndarray, variance_ratio: np.ndarray,
                            title: str) -> Figure:
-  """(K, P, P, 3) principal components as RGB images, each scaled to [0, 1] (Figure 7, left)."""
+  """(K, P, P, C) principal components as RGB (C = 3) or grey (C = 1) images, each scaled to
+  [0, 1] (Figure 7, left)."""
   num_columns = 7
   num_rows = math.ceil(len(components) / num_columns)
   fig = Figure(figsize=(1.3 * num_columns, 1.4 * num_rows + 0.5), layout='constrained')
@@ -161,9 +186,11 @@ def plot_embedding_filters(components: np.ndarray, variance_ratio: np.ndarray,
     ax.axis('off')
   for ax, component, ratio in zip(axes.ravel(), components, variance_ratio):
     low, high = component.min(), component.max()
-    ax.imshow((component - low) / max(high - low, 1e-12), interpolation='nearest')
+    scaled = (component - low) / max(high - low, 1e-12)
+    ax.imshow(scaled[..., 0] if scaled.shape[-1] == 1 else scaled, cmap='gray', vmin=0, vmax=1,
+              interpolation='nearest')  # The colour map applies to grey (C = 1) only.
     ax.set_title(f'{100 * ratio:.1f}%', fontsize=8)
-  fig.suptitle(title)
+  set_title(fig, title)
   return fig
 
 
@@ -183,7 +210,7 @@ def plot_training_curves(curves: dict[str, tuple[np.ndarray, np.ndarray]], title
     ax.set_xlabel('Step')
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
-  fig.suptitle(title)
+  set_title(fig, title)
   return fig
 
 
@@ -212,8 +239,9 @@ def attention_statistics(model, params, images: np.ndarray, grid: tuple[int, int
 
 
 def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
-                  wanted: Sequence[str]) -> dict[str, Figure]:
-  """The figures in `wanted` that need the model and its parameters."""
+                  wanted: Sequence[str], grey_input: bool = False) -> dict[str, Figure]:
+  """The figures in `wanted` that need the model and its parameters; `grey_input`: the model
+  was trained on grey images (repeated into RGB)."""
   grid = model.grid(image_size)
   class_token = model.has_class_token
   source = 'class token' if class_token else 'token mean'
@@ -238,10 +266,12 @@ def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
         similarity, f'{name}: position embedding similarity')
   kernel = params['embedding']['kernel']
   if 'embedding_filters' in wanted and kernel.shape[2] == 3:
-    components, ratio = analysis.embedding_filter_components(kernel, NUM_FILTER_COMPONENTS)
+    components, ratio = analysis.embedding_filter_components(kernel, NUM_FILTER_COMPONENTS,
+                                                             grey_input)
+    filters = ('embedding filters, channels summed (grey input)' if grey_input else
+               'RGB embedding filters')
     figures['embedding_filters'] = plot_embedding_filters(
-        components, ratio, f'{name}: principal components of the RGB embedding filters '
-        '(% of variance)')
+        components, ratio, f'{name}: principal components of the {filters} (% of variance)')
   elif 'embedding_filters' in wanted:
     print(f'Skipped embedding_filters: the embedding of {name} sees {kernel.shape[2]} ResNet '
           'channels, not RGB pixels.', file=sys.stderr)
@@ -280,7 +310,8 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
       images = embedded_images(args.num_images, image_size)
     else:
       raise ValueError(f'--num_images={args.num_images}: draw on at least 1 image.')
-    figures.update(model_figures(model, params, image_size, images, name, args.figures))
+    figures.update(model_figures(model, params, image_size, images, name, args.figures,
+                                 trained_on_grey(args.checkpoint)))
   if 'training_curves' in args.figures and os.path.isdir(args.checkpoint):
     curves = analysis.read_scalars(args.checkpoint)
     if not {tag for _, tags in CURVE_PANELS for tag in tags} & set(curves):

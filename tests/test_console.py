@@ -1,0 +1,78 @@
+"""Tests of the console, vit_jax/console.py: the quick start's output, the filter, the live bar."""
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import orbax.checkpoint as ocp
+from tensorboard.backend.event_processing import event_accumulator
+
+from vit_jax import console
+from vit_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LINES = 12  # Workdir, mesh, model, 1 progress step, 1 evaluation, 1 checkpoint, the end.
+
+
+def test_quick_start_prints_the_projects_lines_only(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'TF_CPP_MIN_LOG_LEVEL')}
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', '--config.total_steps=20', f'--workdir={tmp_path}'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr
+  lines = (result.stdout + result.stderr).splitlines()
+  log = '\n'.join(lines)
+  assert len(lines) <= MAX_LINES, log
+  assert max(map(len, lines)) <= 200, log
+  assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), log  # All logged, none printed.
+  assert not re.search(r'^I\d{4} |orbax|CheckpointManager|Hyperparameters|oneDNN', log,
+                       re.MULTILINE | re.IGNORECASE), log
+  for expected in (r'Workdir: ', r'Mesh: ', r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs',
+                   r'step 20/20: loss [\d.]+, \d+ img/s', r'step 20: test accuracy [\d.]+',
+                   r'step 20: checkpoint -> ', r'Done: '):
+    assert re.search(expected, log), (expected, log)
+  # The metrics and hyperparameters went to TensorBoard instead.
+  events = event_accumulator.EventAccumulator(str(tmp_path))
+  events.Reload()
+  assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
+      events.Tags()['tensors'])
+
+
+def record(source_module, level: int, message: str = 'a message', **extra) -> logging.LogRecord:
+  """A record as if `source_module`'s code had logged `message`."""
+  made = logging.LogRecord('absl', level, source_module.__file__, 1, message, None, None)
+  made.__dict__.update(extra)
+  return made
+
+
+def test_filter_passes_project_lines_and_library_warnings():
+  passes = console.ProjectOnly().filter
+  assert passes(record(train, logging.INFO))
+  assert passes(record(ocp, logging.WARNING))
+  assert not passes(record(ocp, logging.INFO))
+
+
+class Terminal(io.StringIO):
+  """What a terminal receives (tqdm redraws the bar in place with carriage returns)."""
+
+  def isatty(self):
+    return True
+
+
+def test_progress_lines_become_one_live_bar_on_a_terminal():
+  terminal = Terminal()
+  handler = console.ProgressBarHandler(terminal)
+  handler.setFormatter(console.ConsoleFormatter())
+  for step in (20, 40):
+    handler.handle(record(train, logging.INFO, f'step {step}/60: loss 1.0', progress=(step, 60)))
+  handler.handle(record(train, logging.INFO, 'step 40: test accuracy 0.5'))
+  handler.handle(record(train, logging.INFO, 'step 60/60: loss 0.5', progress=(60, 60)))
+  handler.handle(record(train, logging.INFO, 'Done.'))
+  lines = terminal.getvalue().split('\n')
+  assert sum('step 40: test accuracy 0.5' in line for line in lines) == 1
+  assert '\r' in terminal.getvalue()  # The bar was redrawn, not printed again.
+  bar_end = lines[-3].rsplit('\r', 1)[-1]  # The finished bar: its last drawing.
+  assert bar_end.startswith('100%|') and bar_end.endswith('step 60/60: loss 0.5'), lines
+  assert lines[-2].endswith(' Done.') and lines[-1] == '', lines

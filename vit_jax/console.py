@@ -1,0 +1,111 @@
+"""The console of `python -m vit_jax.main`: the project's lines, other libraries' warnings.
+
+By default the console shows what vit_jax logs (the workdir, the model, the mesh, progress,
+evaluations, checkpoints, the end), each as `HH:MM:SS message`, and other libraries' records at
+WARNING and above. On a terminal the progress lines become one live tqdm bar. `setup(True)`
+(`--log_all`, or absl's `--verbosity=1`) keeps absl's format and every library's INFO lines.
+
+Importing this module changes nothing; the command line calls `setup` once.
+"""
+import logging
+import os
+import sys
+from typing import TextIO
+
+import tqdm
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def from_project(record: logging.LogRecord) -> bool:
+  """Whether `record` was logged by vit_jax's own code."""
+  return os.path.abspath(record.pathname).startswith(PACKAGE_DIR + os.sep)
+
+
+class ProjectOnly(logging.Filter):
+  """Passes vit_jax's records and other libraries' records at WARNING and above."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or from_project(record)
+
+
+class ConsoleFormatter(logging.Formatter):
+  """`HH:MM:SS message`; a warning or error adds its level, another library's its logger."""
+
+  def __init__(self):
+    super().__init__('%(asctime)s %(message)s', datefmt='%H:%M:%S')
+
+  def formatMessage(self, record: logging.LogRecord) -> str:
+    level = f'{record.levelname}: ' if record.levelno >= logging.WARNING else ''
+    source = '' if from_project(record) else f'{record.name}: '
+    return f'{record.asctime} {level}{source}{record.message}'
+
+
+class ProgressBarHandler(logging.StreamHandler):
+  """Shows the records logged with `extra={'progress': (step, total_steps)}` as one live bar,
+  the record's message beside it; other records are printed above the bar."""
+
+  BAR_FORMAT = '{percentage:3.0f}%|{bar:20}| {desc}'
+
+  def __init__(self, stream: TextIO):
+    super().__init__(stream)
+    self._bar = None
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      progress = getattr(record, 'progress', None)
+      if progress is None:
+        self._print(self.format(record))
+      else:
+        self._advance(*progress, self.format(record))
+    except Exception:  # pylint: disable=broad-except  (what logging.Handler.emit does)
+      self.handleError(record)
+
+  def _print(self, line: str) -> None:
+    if self._bar is None:
+      self.stream.write(line + '\n')
+      self.flush()
+    else:
+      tqdm.tqdm.write(line, file=self.stream)
+
+  def _advance(self, step: int, total: int, line: str) -> None:
+    if self._bar is None or self._bar.total != total or step < self._bar.n:
+      self.close_bar()
+      self._bar = tqdm.tqdm(total=total, initial=step, desc=line, file=self.stream,
+                            bar_format=self.BAR_FORMAT, dynamic_ncols=True)
+    else:
+      self._bar.n = step
+      self._bar.set_description_str(line)  # Redraws the bar.
+    if step >= total:
+      self.close_bar()
+
+  def close_bar(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+  def close(self) -> None:
+    self.close_bar()
+    super().close()
+
+
+def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
+  """Sets the process's logging up for the console `stream`: quiet unless `log_all`.
+
+  Quiet also hides TensorFlow's C++ INFO lines (unless TF_CPP_MIN_LOG_LEVEL is set), which
+  works only before TensorFlow is first imported, and, off a terminal, tfds's progress bars.
+  """
+  root = logging.getLogger()
+  root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
+  if log_all:
+    return
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+  handler = ProgressBarHandler(stream) if stream.isatty() else logging.StreamHandler(stream)
+  handler.addFilter(ProjectOnly())
+  handler.setFormatter(ConsoleFormatter())
+  for old in root.handlers[:]:  # absl's handler, which app.run installs.
+    root.removeHandler(old)
+  root.addHandler(handler)
+  if not stream.isatty():  # tfds's preparation bars would print a line per update.
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (after the env)
+    tfds.disable_progress_bar()
