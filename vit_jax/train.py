@@ -4,6 +4,7 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
+import gc
 import json
 import logging
 import os
@@ -285,18 +286,28 @@ class CheckpointSaveError(RuntimeError):
 
 
 class _SaveErrorCatcher(logging.Filter):
-  """Keeps the exception of a failed background save off the console (Orbax logs it as a long
-  traceback from its finalising thread) and holds it for CheckpointSaveError's one line."""
+  """Keeps Orbax's error records off the console (a failed background save logs hundreds of
+  traceback lines from several threads) and holds the first as the reason of the failure."""
 
   def __init__(self):
     super().__init__()
-    self.error = None
+    self.reason = None
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.exc_info and 'Checkpointer failed' in str(record.msg):
-      self.error = record.exc_info[1]
-      return False
-    return True
+    if record.levelno < logging.ERROR or 'orbax' not in record.pathname + record.getMessage():
+      return True
+    if self.reason is None:
+      error = record.exc_info[1] if record.exc_info else None
+      if isinstance(error, OSError) and error.strerror:
+        self.reason = error.strerror
+      else:  # The innermost cause, e.g. TensorStore's '...: File too large [os_error_code=27]'.
+        self.reason = (str(error) if error else record.getMessage()).strip().splitlines()[0]
+        self.reason = self.reason.rsplit(': ', 1)[-1]
+    return False
+
+
+# The loggers Orbax's errors reach: its own (absl's) and asyncio's (tasks that failed).
+_ORBAX_LOGGERS = ('absl', 'asyncio')
 
 
 class Checkpoints:
@@ -315,7 +326,8 @@ class Checkpoints:
         create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
     self._pending = None  # The step of the save not yet confirmed.
     self._errors = _SaveErrorCatcher()
-    logging.getLogger('absl').addFilter(self._errors)
+    for logger in _ORBAX_LOGGERS:
+      logging.getLogger(logger).addFilter(self._errors)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -328,7 +340,7 @@ class Checkpoints:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
     except OSError as e:  # Failed before going to the background (e.g. no space for a folder).
-      self._errors.error = e
+      self._errors.reason = e.strerror or str(e)
       self._fail(step)
     self._pending = step
 
@@ -339,7 +351,8 @@ class Checkpoints:
       return
     self.manager.wait_until_finished()
     step, self._pending = self._pending, None
-    if step not in self.manager.all_steps(read=True):
+    self.manager.reload()
+    if step not in self.manager.all_steps():
       self._fail(step)
     self.delete_old()
 
@@ -350,13 +363,13 @@ class Checkpoints:
       self.manager.delete(step)
 
   def _fail(self, step: int):
-    error, self._errors.error = self._errors.error, None
-    for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp-*.
+    gc.collect()  # Orbax's abandoned tasks log their errors now, while they are filtered.
+    for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp.
       if name.startswith(f'{step}.') and jax.process_index() == 0:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     self.manager.reload()
     last = self.manager.latest_step()
-    reason = _first_line(error) if error else 'the finished checkpoint is missing'
+    reason, self._errors.reason = self._errors.reason or 'no finished checkpoint appeared', None
     raise CheckpointSaveError(
         f'Saving the checkpoint of step {step} to {self.directory} failed ({reason}); '
         f'{shutil.disk_usage(self.directory).free / 2**30:.2f} GiB free there; the last good '
@@ -409,7 +422,8 @@ class Checkpoints:
       self.confirm(wait=True)
     finally:
       self.manager.close()
-      logging.getLogger('absl').removeFilter(self._errors)
+      for logger in _ORBAX_LOGGERS:
+        logging.getLogger(logger).removeFilter(self._errors)
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
