@@ -103,6 +103,15 @@ def initialize_distributed() -> bool:
   return True
 
 
+def drop_closed_event_loop_errors(unraisable) -> None:
+  """sys.unraisablehook: drops the 'Event loop is closed' errors that TensorStore callbacks raise
+  after Orbax gave up a failed save or restore (dozens of tracebacks, each error already
+  reported in one line); passes every other one on."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == 'Event loop is closed'):
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -141,4 +150,5 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
+  sys.unraisablehook = drop_closed_event_loop_errors
   app.run(main)

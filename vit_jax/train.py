@@ -346,8 +346,13 @@ class Checkpoints:
 
   def confirm(self, wait: bool = False) -> None:
     """Checks a finished background save (`wait`: waits for it): deletes checkpoints beyond
-    `keep` once it is complete; raises CheckpointSaveError if it failed."""
-    if self._pending is None or (not wait and self.manager.is_saving_in_progress()):
+    `keep` once it is complete; raises CheckpointSaveError if it failed.
+
+    With several processes only `wait` checks: all must check at the same step (deleting
+    synchronises them), and each may see the save finish at another one.
+    """
+    if self._pending is None or (not wait and (jax.process_count() > 1
+                                               or self.manager.is_saving_in_progress())):
       return
     self.manager.wait_until_finished()
     step, self._pending = self._pending, None
