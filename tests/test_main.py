@@ -47,8 +47,8 @@ class MainProcess:
     self.process = subprocess.Popen(
         command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, cwd=cwd,
-        preexec_fn=lambda: [resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
-                            for r, soft in (limits or {}).items()])
+        preexec_fn=limits and (lambda: [resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
+                                        for r, soft in limits.items()]))
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
