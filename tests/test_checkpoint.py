@@ -1,5 +1,6 @@
 """Tests of the published .npz layout and the fine-tuning setup, vit_jax/checkpoint.py."""
 import os
+import resource
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,18 @@ def test_save_then_load_is_exact_and_writes_pre_linen_names(tmp_path):
           'Transformer/encoderblock_0/MlpBlock_3/Dense_1/bias', 'pre_logits/kernel'} <= keys
   assert not any('MultiHeadDotProductAttention_0' in key for key in keys)
   assert_trees_equal(checkpoint.load(tmp_path / 'model.npz'), params)
+
+
+def test_a_save_that_fails_for_lack_of_space_leaves_no_temporary_file(tmp_path):
+  params = random_params(models.get_model(small_config(), num_classes=7), (224, 224))
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: EFBIG.
+  try:
+    with pytest.raises(OSError, match='File too large'):
+      checkpoint.save(params, tmp_path / 'model.npz')
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+  assert not os.listdir(tmp_path)
 
 
 def test_linen_names_option_writes_the_model_numbering(tmp_path):

@@ -3,6 +3,9 @@
 Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time.
 """
 import os
+import re
+import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -30,17 +33,24 @@ TIMEOUT = 300  # Seconds any one process may run.
 
 
 def main_command(workdir, overrides, *extra):
-  return [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={workdir}',
+  """The command line of the tiny config with `overrides`; `workdir` None: the default one."""
+  return [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
+          *([f'--workdir={workdir}'] if workdir else []),
           *(f'--config.{k}={v}' for k, v in overrides.items()), *extra]
 
 
 class MainProcess:
-  """`python -m vit_jax.main` in the background, its output collected, killed after TIMEOUT."""
+  """`python -m vit_jax.main` in the background, its output collected, killed after TIMEOUT.
 
-  def __init__(self, workdir, overrides, *extra, env=None):
+  `command` replaces the tiny config's command line; `limits` are {resource: soft limit}.
+  """
+
+  def __init__(self, workdir, overrides, *extra, env=None, command=None, cwd=None, limits=None):
     self.process = subprocess.Popen(
-        main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, cwd=cwd,
+        preexec_fn=limits and (lambda: [resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
+                                        for r, soft in limits.items()]))
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -72,8 +82,8 @@ class MainProcess:
     return self.process.returncode
 
 
-def run_main(workdir, overrides, *extra):
-  process = MainProcess(workdir, overrides, *extra)
+def run_main(workdir, overrides, *extra, **kwargs):
+  process = MainProcess(workdir, overrides, *extra, **kwargs)
   return process.finish(), process.log
 
 
@@ -156,15 +166,19 @@ def test_one_process_on_a_cpu_host_trains_on_one_device_per_core_that_fits(tmp_p
   assert f"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices." in process.log
 
 
-def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path, uninterrupted):
+@pytest.mark.parametrize('signal_name', ['SIGTERM', 'SIGINT'])  # A preemption, Ctrl-C.
+def test_signal_checkpoints_exits_0_and_the_printed_command_resumes(signal_name, tmp_path,
+                                                                    uninterrupted):
   run = MainProcess(tmp_path, LONG_RUN)
   run.wait_for(lambda: 'step 20/150' in run.log, 'step 20')
-  run.process.send_signal(signal.SIGTERM)
+  run.process.send_signal(getattr(signal, signal_name))
   assert run.finish() == 0, run.log
-  assert 'Preempted at step' in run.log
+  assert 'Preempted at step' in run.log and f'({signal_name})' in run.log
   assert not os.path.exists(tmp_path / 'model.npz')
 
-  status, log = run_main(tmp_path, LONG_RUN)
+  command = shlex.split(run.log.split('To resume: ')[1].splitlines()[0])
+  assert command[:3] == ['python', '-m', 'vit_jax.main']
+  status, log = run_main(None, {}, command=[sys.executable, *command[1:]])
   assert status == 0, log
   assert 'Resuming from step' in log
   assert_same_params(tmp_path, uninterrupted)
@@ -185,6 +199,59 @@ def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
   resumed = int(log.split('Resuming from step ')[1].split()[0])
   assert resumed in (50, 100)
   assert_same_params(tmp_path, uninterrupted)
+
+
+def test_the_same_command_without_workdir_resumes_in_a_workdir_named_after_the_config(
+    tmp_path):
+  short = {'total_steps': 2, 'eval_every': 2, 'checkpoint_every': 2, 'progress_every': 1,
+           'test_split': 'test[:64]', 'batch_eval': 64}
+  status, log = run_main(None, short, cwd=tmp_path)
+  assert status == 0, log
+  workdir = tmp_path / 'workdirs' / 'tiny_config'
+  assert os.listdir(workdir / 'checkpoints') == ['2']
+
+  status, log = run_main(None, short, cwd=tmp_path)
+  assert status == 0, log
+  assert 'Resuming from step 2' in log
+  done = log.split('Done: ')[1].splitlines()[0]
+  assert 'test_accuracy' in done and 'test_loss' in done
+  assert os.listdir(workdir / 'checkpoints') == ['2']
+
+
+def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path):
+  endless = {'total_steps': 10**6, 'checkpoint_every': 10**6, 'eval_every': 10**6}
+  holder = MainProcess(tmp_path, endless)
+  holder.wait_for(lambda: 'step 20/' in holder.log, 'step 20')
+  status, log = run_main(tmp_path, endless)
+  assert status == 1, log
+  assert log.strip().splitlines()[-1] == (
+      f'{tmp_path} is in use by process {holder.process.pid} on {socket.gethostname()} (lock '
+      f'{tmp_path}/lock): wait for that run to end, or use another --workdir.')
+
+  holder.process.kill()
+  holder.finish()
+  status, log = run_main(tmp_path, {'total_steps': 2, 'eval_every': 2, 'checkpoint_every': 2,
+                                    'test_split': 'test[:64]', 'batch_eval': 64})
+  assert status == 0, log
+  assert (f'Taking over {tmp_path}/lock from process {holder.process.pid} on '
+          f'{socket.gethostname()}, which no longer runs.') in log
+
+
+def test_a_full_disk_is_reported_in_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+  # The checkpoint's data file (about 100 kB) exceeds the file-size limit; logs and config fit.
+  overrides = {'total_steps': 30, 'checkpoint_every': 10, 'eval_every': 1000,
+               'progress_every': 5}
+  status, log = run_main(tmp_path, overrides, limits={resource.RLIMIT_FSIZE: 48 * 1024})
+  assert status == 1, log
+  errors = [line for line in log.splitlines() if line.startswith('Checkpoint error: ')]
+  assert len(errors) == 1, log
+  assert errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 10 to {tmp_path}/checkpoints failed '
+      '(File too large'), log
+  assert re.search(r'; [0-9.]+ GiB free there; the last good checkpoint is none\.$', errors[0])
+  assert 'step 30/30' not in log  # Stopped at the failure, not at the end.
+  assert 'Traceback' not in log  # Orbax's and TensorStore's are kept off the console.
+  assert os.listdir(tmp_path / 'checkpoints') == []
 
 
 def free_port() -> int:

@@ -1,6 +1,8 @@
 """Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
 import os
 import re
+import shutil
+import signal
 import subprocess
 
 import jax
@@ -259,14 +261,19 @@ def test_pretrained_folder_without_model_npz_is_a_config_error(tmp_path):
     train.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
 
 
-def test_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
-  config = tiny_config(optimizer='sgd', base_lr=1e12, warmup_steps=0, checkpoint_every=1,
-                       keep_checkpoints=100)
+def test_non_finite_loss_stops_the_run_and_keeps_only_finite_checkpoints(tmp_path):
+  config = tiny_config(optimizer='sgd', base_lr=1e12, warmup_steps=3, checkpoint_every=1,
+                       progress_every=1, keep_checkpoints=100)
   with pytest.raises(train.NonFiniteError, match=r'Non-finite loss or gradient at step (\d+)') as e:
     train.train_and_evaluate(config, str(tmp_path))
   bad_step = int(re.search(r'step (\d+)', str(e.value)).group(1))
-  saved = [int(step) for step in os.listdir(tmp_path / 'checkpoints')]
-  assert saved and max(saved) < bad_step
+  # The checkpoint the non-finite step started from is set aside, not resumed from.
+  assert os.listdir(tmp_path / 'diverged_checkpoints') == [str(bad_step - 1)]
+  saved = sorted(int(step) for step in os.listdir(tmp_path / 'checkpoints'))
+  assert saved == list(range(1, bad_step - 1))
+  loss = read_scalars(str(tmp_path))['train_loss'][saved[-1]]
+  assert (f'it resumes from the checkpoint of step {saved[-1]} (last logged loss {loss:.4f} at '
+          f'step {saved[-1]})') in str(e.value)
 
 
 def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
@@ -297,3 +304,85 @@ def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
 def test_unknown_dataset_is_a_config_error(tmp_path):
   with pytest.raises(train.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
     train.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))
+
+
+def copy_of_run(trained_workdir, tmp_path) -> str:
+  """A copy of the trained run's workdir: checkpoints 40 and 60, config.json, model.npz."""
+  copy = str(tmp_path / 'run')
+  shutil.copytree(trained_workdir[0], copy)
+  return copy
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  return sorted(int(step) for step in os.listdir(os.path.join(workdir, 'checkpoints')))
+
+
+def test_keep_checkpoints_0_keeps_every_checkpoint(tmp_path):
+  config = tiny_config(total_steps=4, checkpoint_every=2, eval_every=4, progress_every=2,
+                       keep_checkpoints=0)
+  train.train_and_evaluate(config, str(tmp_path))
+  assert checkpoint_steps(tmp_path) == [2, 4]
+
+
+def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeypatch):
+  def unreadable_test_split(*args):
+    raise OSError('the test split cannot be read')  # As a flaky disk or a bad image would.
+
+  monkeypatch.setattr(train, 'evaluate', unreadable_test_split)
+  config = tiny_config(total_steps=4, checkpoint_every=2, eval_every=2, progress_every=2)
+  with pytest.raises(OSError, match='the test split cannot be read'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert checkpoint_steps(tmp_path) == [2]
+
+
+def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_json(
+    trained_workdir, tmp_path):
+  workdir = copy_of_run(trained_workdir, tmp_path)
+  saved_config = open(os.path.join(workdir, 'config.json')).read()
+  config = tiny_config(batch=32)
+  config.model.transformer.num_layers = 2
+  with pytest.raises(train.ConfigError) as error:
+    train.train_and_evaluate(config, workdir)
+  message = str(error.value)
+  assert '\n' not in message
+  assert 'batch (saved 64, now 32), model.transformer.num_layers (saved 1, now 2)' in message
+  assert 'start afresh with another --workdir' in message
+  assert open(os.path.join(workdir, 'config.json')).read() == saved_config
+
+
+def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_workdir, tmp_path,
+                                                                  caplog):
+  workdir = copy_of_run(trained_workdir, tmp_path)
+  for folder, _, names in os.walk(os.path.join(workdir, 'checkpoints', '60', 'state')):
+    for name in names if os.path.basename(folder) == 'd' else ():  # TensorStore's data files.
+      os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
+  os.remove(os.path.join(workdir, 'model.npz'))
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(tiny_config(), workdir)
+  assert 'Skipped checkpoint 60' in caplog.text
+  assert os.listdir(os.path.join(workdir, 'damaged_checkpoints')) == ['60']
+  assert checkpoint_steps(workdir) == [40, 60]
+  # Resumed from step 40, the run ends where the uninterrupted one did.
+  jax.tree.map(np.testing.assert_array_equal, checkpoint.load(os.path.join(workdir, 'model.npz')),
+               checkpoint.load(os.path.join(trained_workdir[0], 'model.npz')))
+
+
+def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained_workdir,
+                                                                        tmp_path):
+  workdir = copy_of_run(trained_workdir, tmp_path)
+  metrics = train.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
+  assert metrics['test_accuracy'] == trained_workdir[1]['test_accuracy']
+  assert checkpoint_steps(workdir) == [60]
+
+
+def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
+  watcher = train.PreemptionWatcher()
+  try:
+    assert not watcher.reached(1)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert watcher.reached(2)
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  finally:
+    watcher.close()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -235,9 +235,14 @@ def save(params: Params, path, *, linen_names: bool = False, spec: Optional[dict
       f.write(buffer.getvalue())
     return
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  with open(path + '.tmp', 'wb') as f:
-    np.savez(f, **arrays)
-  os.replace(path + '.tmp', path)
+  try:
+    with open(path + '.tmp', 'wb') as f:
+      np.savez(f, **arrays)
+    os.replace(path + '.tmp', path)
+  except BaseException:  # E.g. a full disk: leave nothing half-written behind.
+    if os.path.exists(path + '.tmp'):
+      os.remove(path + '.tmp')
+    raise
 
 
 def model_overrides_path(path: str) -> str:

@@ -6,14 +6,15 @@ overridden: `--config.base_lr=0.01`; `--help` lists the fields of the config wit
 and meanings.
 """
 import contextlib
-import datetime
 import difflib
+import fcntl
 import functools
 import logging
 import os
 import re
+import shlex
+import socket
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -36,17 +37,60 @@ flags.DEFINE_integer('num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 0)
 flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
                      'This process\'s index (env JAX_PROCESS_ID).')
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
-                    'holding a checkpoint resumes from it. Default: a fresh folder under '
-                    './workdirs.')
+                    'holding a checkpoint resumes from it. Default: workdirs/NAME, named after '
+                    '--config (see default_workdir), so that the same command resumes.')
 flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
                   '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
                   'libraries\' warnings, and a live progress bar on a terminal.')
 
 
-def fresh_workdir() -> str:
-  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-  return tempfile.mkdtemp(prefix=f'{stamp}-', dir=os.makedirs('workdirs', exist_ok=True) or
-                          'workdirs')
+def default_workdir(config_argument: str) -> str:
+  """`workdirs/NAME` for `--config=config_argument`: the file's name, then its argument, with
+  characters other than letters, digits, '.' and '-' as '_'.
+
+  No --config (the package's default run) or `configs/default.py` -> `workdirs/default`;
+  `configs/vit.py:b16,cifar10` -> `workdirs/vit_b16_cifar10`. Overrides
+  (`--config.base_lr=...`) do not change it.
+  """
+  path, _, argument = config_argument.partition(':')
+  stem = 'default' if path == DEFAULT_CONFIG else os.path.splitext(os.path.basename(path))[0]
+  name = '_'.join(filter(None, (stem, argument)))
+  return os.path.join('workdirs', re.sub(r'[^\w.-]+', '_', name, flags=re.ASCII))
+
+
+def lock_workdir(workdir: str):
+  """Takes `WORKDIR/lock` (an flock, released when the process ends, holding 'process PID on
+  HOST'); exits naming the holder if another run holds it. Returns the open lock file."""
+  path = os.path.join(workdir, 'lock')
+  os.makedirs(workdir, exist_ok=True)
+  lock = open(path, 'a+')  # pylint: disable=consider-using-with  (held until the process ends)
+  lock.seek(0)
+  try:
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    sys.exit(f'{workdir} is in use by {lock.read().strip() or "another run"} (lock {path}): '
+             'wait for that run to end, or use another --workdir.')
+  if previous := lock.read().strip():  # Its holder ended without releasing it: killed.
+    logging.warning('Taking over %s from %s, which no longer runs.', path, previous)
+  lock.truncate(0)
+  lock.write(f'process {os.getpid()} on {socket.gethostname()}\n')
+  lock.flush()
+  return lock
+
+
+def release_workdir(lock) -> None:
+  """Empties and releases the lock of `lock_workdir` (an emptied lock is a free one)."""
+  lock.truncate(0)
+  lock.close()
+
+
+def resume_command(workdir: str) -> str:
+  """This process's command line with `--workdir=WORKDIR` (absolute) in place of any given."""
+  args = sys.argv[1:]
+  kept = [arg for i, arg in enumerate(args) if not arg.startswith('--workdir=')
+          and arg != '--workdir' and (i == 0 or args[i - 1] != '--workdir')]
+  return shlex.join(['python', '-m', 'vit_jax.main', *kept,
+                     f'--workdir={os.path.abspath(workdir)}'])
 
 
 # Variables by which clusters that jax.distributed.initialize() detects by itself announce
@@ -144,6 +188,15 @@ def parse_flags(argv: list[str]) -> list[str]:
     return app.parse_flags_with_usage(argv)
 
 
+def drop_closed_event_loop_errors(unraisable) -> None:
+  """sys.unraisablehook: drops the 'Event loop is closed' errors that TensorStore callbacks raise
+  after Orbax gave up a failed save or restore (dozens of tracebacks, each error already
+  reported in one line); passes every other one on."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == 'Event loop is closed'):
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -156,17 +209,31 @@ def main(argv):
       sys.exit('--workdir is required with several processes: they must share one folder.')
     if jax.process_index() > 0:  # Process 0 speaks for all.
       logging.getLogger().setLevel(logging.WARNING)
-  workdir = flags.FLAGS.workdir or fresh_workdir()
+  workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename)
   logging.info('Workdir: %s', os.path.abspath(workdir))
+  lock = lock_workdir(workdir) if jax.process_index() == 0 else None
   try:
     metrics = train.train_and_evaluate(flags.FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'Config error: {e}')
   except train.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')
+  except train.CheckpointSaveError as e:
+    sys.exit(f'Checkpoint error: {e}')
+  except KeyboardInterrupt:
+    sys.exit(f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
+             f'{resume_command(workdir)}')
+  finally:
+    if lock:
+      release_workdir(lock)
+  if 'preempted_at_step' in metrics:
+    logging.warning('Stopped at step %d and wrote its checkpoint. To resume: %s',
+                    metrics['preempted_at_step'], resume_command(workdir))
+    return
   logging.info('Done: %s', ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())))
 
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
+  sys.unraisablehook = drop_closed_event_loop_errors
   app.run(main, flags_parser=parse_flags)

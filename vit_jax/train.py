@@ -5,8 +5,11 @@ step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in 
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
 import functools
+import gc
+import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -46,6 +49,10 @@ class ConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
   """The loss or gradient stopped being finite; no checkpoint of that state was written."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step  # The first step found non-finite.
 
 
 @flax.struct.dataclass
@@ -337,30 +344,162 @@ def evaluate(eval_step, params, config, mesh: Mesh) -> dict[str, float]:
 # Checkpoints.
 
 
-def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
-  """Orbax manager of `WORKDIR/checkpoints`; a save becomes visible only once complete."""
-  return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), 'checkpoints'),
-      options=ocp.CheckpointManagerOptions(
-          max_to_keep=config.keep_checkpoints, create=True,
-          cleanup_tmp_directories=True))  # Half-written saves of a killed run are dropped.
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint save failed; the message is one line: what, where, free space, last good one."""
 
 
-def save_checkpoint(manager: ocp.CheckpointManager, state: TrainState, data_state: dict):
-  step = int(jax.device_get(state.step))
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
-  logging.info('step %d: checkpoint -> %s', step, os.path.join(manager.directory, str(step)))
+class _SaveErrorCatcher(logging.Filter):
+  """Keeps Orbax's error records off the console (a failed background save logs hundreds of
+  traceback lines from several threads) and holds the first as the reason of the failure."""
+
+  def __init__(self):
+    super().__init__()
+    self.reason = None
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or 'orbax' not in record.pathname + record.getMessage():
+      return True
+    if self.reason is None:
+      error = record.exc_info[1] if record.exc_info else None
+      if isinstance(error, OSError) and error.strerror:
+        self.reason = error.strerror
+      else:  # The innermost cause, e.g. TensorStore's '...: File too large [os_error_code=27]'.
+        self.reason = (str(error) if error else record.getMessage()).strip().splitlines()[0]
+        self.reason = self.reason.rsplit(': ', 1)[-1]
+    return False
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
-                       shardings: TrainState) -> tuple[TrainState, dict]:
-  """The latest checkpoint's (state, data-iterator state), placed with `shardings`."""
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          state, shardings)
-  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-  return restored.state, restored.data
+# The loggers Orbax's errors reach: its own (absl's) and asyncio's (tasks that failed).
+_ORBAX_LOGGERS = ('absl', 'asyncio')
+
+
+class Checkpoints:
+  """Orbax checkpoints in `WORKDIR/checkpoints`: (train state, data-iterator state) per step.
+
+  Saves run in the background; each is confirmed complete (at the next step, `confirm`) before
+  older checkpoints are deleted, so the newest complete checkpoint is never deleted and a failed
+  save is reported at once. `keep` (config.keep_checkpoints) of 0 or None keeps every one.
+  """
+
+  def __init__(self, workdir: str, keep: int | None):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.keep = keep or None
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
+    self._pending = None  # The step of the save not yet confirmed.
+    self._errors = _SaveErrorCatcher()
+    for logger in _ORBAX_LOGGERS:
+      logging.getLogger(logger).addFilter(self._errors)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, state: TrainState, data_state: dict) -> None:
+    """Starts saving `state` in the background, after confirming the previous save."""
+    self.confirm(wait=True)
+    step = int(jax.device_get(state.step))
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+    except OSError as e:  # Failed before going to the background (e.g. no space for a folder).
+      self._errors.reason = e.strerror or str(e)
+      self._fail(step)
+    self._pending = step
+    logging.info('step %d: checkpoint -> %s', step, os.path.join(self.directory, str(step)))
+
+  def confirm(self, wait: bool = False) -> None:
+    """Checks a finished background save (`wait`: waits for it): deletes checkpoints beyond
+    `keep` once it is complete; raises CheckpointSaveError if it failed.
+
+    With several processes only `wait` checks: all must check at the same step (deleting
+    synchronises them), and each may see the save finish at another one.
+    """
+    if self._pending is None or (not wait and (jax.process_count() > 1
+                                               or self.manager.is_saving_in_progress())):
+      return
+    self.manager.wait_until_finished()
+    step, self._pending = self._pending, None
+    self.manager.reload()
+    if step not in self.manager.all_steps():
+      self._fail(step)
+    self.delete_old()
+
+  def delete_old(self) -> None:
+    """Deletes all but the newest `keep` checkpoints."""
+    steps = sorted(self.manager.all_steps())
+    for step in steps[:-self.keep] if self.keep else ():
+      self.manager.delete(step)
+
+  def _fail(self, step: int):
+    gc.collect()  # Orbax's abandoned tasks log their errors now, while they are filtered.
+    for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp.
+      if name.startswith(f'{step}.') and jax.process_index() == 0:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self.manager.reload()
+    last = self.manager.latest_step()
+    reason, self._errors.reason = self._errors.reason or 'no finished checkpoint appeared', None
+    raise CheckpointSaveError(
+        f'Saving the checkpoint of step {step} to {self.directory} failed ({reason}); '
+        f'{shutil.disk_usage(self.directory).free / 2**30:.2f} GiB free there; the last good '
+        f'checkpoint is {f"step {last}" if last is not None else "none"}.')
+
+  def restore(self, state: TrainState, shardings: TrainState) -> tuple[TrainState, dict] | None:
+    """(state, data-iterator state) of the newest checkpoint that restores, placed with
+    `shardings`; None without checkpoints.
+
+    Newer checkpoints that fail to restore (damaged files) are logged and moved to
+    `WORKDIR/damaged_checkpoints`; a ConfigError if none restores.
+    """
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, shardings)
+    skipped = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except  (TensorStore, JSON, missing files)
+        logging.warning('Skipped checkpoint %d in %s: it does not restore (%s).', step,
+                        self.directory, _first_line(e))
+        skipped.append((step, e))
+        continue
+      for damaged, _ in skipped:
+        self.set_aside(damaged, 'damaged_checkpoints')
+      return restored.state, restored.data
+    if skipped:
+      raise ConfigError(
+          f'No checkpoint in {self.directory} restores (step {skipped[0][0]}: '
+          f'{_first_line(skipped[0][1])}): restore the config the run was started with, or use '
+          'another --workdir to start afresh.')
+    return None
+
+  def set_aside(self, step: int, folder: str) -> None:
+    """Moves the checkpoint of `step` to `WORKDIR/folder/STEP` (kept, but not resumed from)."""
+    if jax.process_index() == 0:
+      target = os.path.join(self.workdir, folder, str(step))
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if os.path.exists(target):
+        target += time.strftime('-%Y%m%d-%H%M%S')
+      os.replace(os.path.join(self.directory, str(step)), target)
+      logging.warning('Moved the checkpoint of step %d to %s.', step, target)
+    multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
+    self.manager.reload()
+
+  def close(self) -> None:
+    """Waits for the last save and confirms it; raises CheckpointSaveError if it failed."""
+    try:
+      self.confirm(wait=True)
+    finally:
+      self.manager.close()
+      for logger in _ORBAX_LOGGERS:
+        logging.getLogger(logger).removeFilter(self._errors)
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  """`TypeName: first line of the message`, at most `limit` characters."""
+  lines = str(error).strip().splitlines()
+  text = f'{type(error).__name__}: {lines[0] if lines else ""}'
+  return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
 # The loop.
@@ -368,6 +507,11 @@ def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
 
 def flatten_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """{'pp.crop': 224, ...} with TensorBoard-friendly values, for hparams."""
+  return _flatten(config.to_dict())
+
+
+def _flatten(tree: dict) -> dict[str, Any]:
+  """{'a': {'b': 1}} -> {'a.b': 1}; values other than int, float, str and bool as str."""
   flat = {}
 
   def visit(prefix, value):
@@ -377,19 +521,64 @@ def flatten_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
     else:
       flat[prefix[:-1]] = value if isinstance(value, (int, float, str, bool)) else str(value)
 
-  visit('', config.to_dict())
+  visit('', tree)
   return flat
 
 
+# The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
+STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers')
+
+
+def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+  """The fields fixing the checkpoints' shapes or data order that differ between
+  `WORKDIR/config.json` and `config`, as 'field (saved X, now Y)'; [] without a config.json."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    saved = _flatten(json.load(f))
+  now = _flatten(json.loads(config.to_json_best_effort()))
+  fields = STATE_FIELDS + input_pipeline._ORDER_FIELDS  # pylint: disable=protected-access
+  return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
+          for key in sorted(saved.keys() | now.keys())
+          if any(key == f or key.startswith(f + '.') for f in fields)
+          and saved.get(key) != now.get(key)]
+
+
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+  """Writes `WORKDIR/config.json` (through a temporary file: never half a file)."""
+  path = os.path.join(workdir, 'config.json')
+  with open(path + '.tmp', 'w') as f:
     f.write(config.to_json_best_effort(indent=2))
+  os.replace(path + '.tmp', path)
+
+
+def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardings: TrainState,
+                     mesh: Mesh) -> tuple[TrainState, input_pipeline.TrainIterator]:
+  """(state, training batches) from the newest intact checkpoint, or from `state` at step 0."""
+  if checkpoints.latest_step() is not None:
+    if mismatches := resume_mismatches(config, checkpoints.workdir):
+      raise ConfigError(
+          f'{checkpoints.workdir} holds a run with other {", ".join(mismatches)}: its '
+          'checkpoints cannot continue with these. Run with the saved values, or start afresh '
+          'with another --workdir.')
+  restored = checkpoints.restore(state, shardings)
+  if restored is None:
+    return state, input_pipeline.get_train_iterator(config, mesh)
+  state, data_state = restored
+  try:
+    train_iter = input_pipeline.restore_train_iterator(config, mesh, data_state)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  logging.info('Resuming from step %d of %s.', int(state.step), checkpoints.directory)
+  return state, train_iter
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
-  A workdir holding a checkpoint resumes from its latest one.
+  A workdir holding a checkpoint resumes from its newest intact one. The metrics hold
+  'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
   """
   validate_config(config, jax.device_count())
   try:
@@ -403,44 +592,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
-  if is_main:
-    write_config(config, workdir)
 
   params = None
   if config.pretrained_path:
     params = load_pretrained_params(config, model)
   state, shardings = create_train_state(config, model, optimizer, mesh, config.pp.crop, params)
-  manager = checkpoint_manager(workdir, config)
-  if manager.latest_step() is not None:
-    state, data_state = restore_checkpoint(manager, state, shardings)
-    train_iter = input_pipeline.restore_train_iterator(config, mesh, data_state)
-    logging.info('Resuming from step %d of %s.', int(state.step), manager.directory)
-  else:
-    train_iter = input_pipeline.get_train_iterator(config, mesh)
-
-  train_step = jit_train_step(model, optimizer, config, mesh, shardings)
-  eval_step = jax.jit(make_eval_step(model))
-
-  # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
-  writer = metric_writers.AsyncMultiWriter([metric_writers.SummaryWriter(workdir)] if is_main
-                                           else [])
-  if int(state.step) == 0:
-    writer.write_hparams(flatten_config(config))
-  flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
-  peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
-  peak_flops *= jax.process_count()
-  logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
-               config.model_name, f'{models.count_params(model, config.pp.crop):,}',
-               flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
-
-  preemption = PreemptionWatcher()
+  checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   try:
-    state, last_metrics = run_steps(config, state, train_step, eval_step, train_iter, mesh,
-                                    writer, manager, preemption, flops_per_image / peak_flops)
+    state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)
+    if is_main:  # Only now: a resume that fails keeps the config.json of the run it found.
+      write_config(config, workdir)
+    checkpoints.delete_old()
+    state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
+                                checkpoints)
   finally:
-    preemption.close()
-    manager.wait_until_finished()
-    writer.flush()
+    checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(state.params, tiled=True)
@@ -451,58 +617,117 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return last_metrics
 
 
-def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, manager,
-              preemption, flops_per_image_over_peak):
+def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints):
+  """Compiles the steps and runs them from `state.step` on; returns the last state and metrics.
+
+  A run that has already reached `config.total_steps` is evaluated once instead.
+  """
+  train_step = jit_train_step(model, optimizer, config, mesh, shardings)
+  eval_step = jax.jit(make_eval_step(model))
+  is_main = jax.process_index() == 0
+  # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
+  writer = metric_writers.AsyncMultiWriter(
+      [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
+  if int(state.step) >= config.total_steps:
+    logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
+                 config.total_steps)
+    return state, evaluate(eval_step, state.params, config, mesh)
+  if int(state.step) == 0:
+    writer.write_hparams(flatten_config(config))
+  flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
+  peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
+  peak_flops *= jax.process_count()
+  logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
+               config.model_name, f'{models.count_params(model, config.pp.crop):,}',
+               flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
+  preemption = PreemptionWatcher()
+  try:
+    return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
+                     preemption, flops_per_image / peak_flops)
+  finally:
+    preemption.close()
+    writer.flush()
+
+
+def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
+              checkpoints: Checkpoints, preemption, flops_per_image_over_peak):
   """The step loop, from `state.step` to `config.total_steps` or a preemption.
 
-  Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM.
+  Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM
+  or SIGINT. Each step's checkpoint is started before its evaluation, so a failing evaluation
+  loses no training.
   """
   first_step = int(state.step)
   last_metrics = {}
+  logged_losses = {}  # {step: train loss} as logged, for the message of a divergence.
   timer_start, timer_step = time.perf_counter(), first_step
   previous = None
-  for step in range(first_step + 1, config.total_steps + 1):
-    state, metrics = train_step(state, next(train_iter))
-    if previous is not None:  # Checked one step late, so the host does not wait on each step.
-      check_finite(*previous)
-    previous = (step, metrics)
-    if step == first_step + 1:  # Leave compilation out of the throughput.
-      jax.block_until_ready(state)
-      timer_start, timer_step = time.perf_counter(), step
-    if step % config.progress_every == 0 or step == config.total_steps:
-      check_finite(step, metrics)
-      logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
-      speed = ''
-      if step > timer_step:  # Not on the first step (its time is mostly compilation).
-        elapsed = time.perf_counter() - timer_start
-        images_per_second = (step - timer_step) * config.batch / elapsed
-        logged.update(images_per_second=images_per_second,
-                      mfu=images_per_second * flops_per_image_over_peak)
-        eta = (config.total_steps - step) * elapsed / (step - timer_step)
-        speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
-                 f'ETA {_format_seconds(eta)}')
-      writer.write_scalars(step, logged)
-      logging.info('step %d/%d: loss %.4f%s', step, config.total_steps, logged['train_loss'],
-                   speed, extra={'progress': (step, config.total_steps)})  # A bar on a terminal.
-      last_metrics.update(logged)
-      timer_start, timer_step = time.perf_counter(), step
-    if step % config.eval_every == 0 or step == config.total_steps:
-      eval_start = time.perf_counter()
-      eval_metrics = evaluate(eval_step, state.params, config, mesh)
-      writer.write_scalars(step, eval_metrics)
-      logging.info('step %d: test accuracy %.4f, test loss %.4f', step,
-                   eval_metrics['test_accuracy'], eval_metrics['test_loss'])
-      last_metrics.update(eval_metrics)
-      timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
-    preempted = preemption.reached(step)
-    if preempted or step % config.checkpoint_every == 0 or step == config.total_steps:
-      check_finite(step, metrics)
-      save_checkpoint(manager, state, train_iter.get_state())
-    if preempted:
-      logging.warning('Preempted at step %d (SIGTERM): wrote a checkpoint; run the same command '
-                      'again to resume.', step)
-      return state, {**last_metrics, 'preempted_at_step': step}
+  try:
+    for step in range(first_step + 1, config.total_steps + 1):
+      state, metrics = train_step(state, next(train_iter))
+      checkpoints.confirm()  # A failed background save is reported at the next step.
+      if previous is not None:  # Checked one step late, so the host does not wait on each step.
+        check_finite(*previous)
+      previous = (step, metrics)
+      if step == first_step + 1:  # Leave compilation out of the throughput.
+        jax.block_until_ready(state)
+        timer_start, timer_step = time.perf_counter(), step
+      if step % config.progress_every == 0 or step == config.total_steps:
+        check_finite(step, metrics)
+        logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
+        speed = ''
+        if step > timer_step:  # Not on the first step (its time is mostly compilation).
+          elapsed = time.perf_counter() - timer_start
+          images_per_second = (step - timer_step) * config.batch / elapsed
+          logged.update(images_per_second=images_per_second,
+                        mfu=images_per_second * flops_per_image_over_peak)
+          eta = (config.total_steps - step) * elapsed / (step - timer_step)
+          speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
+                   f'ETA {_format_seconds(eta)}')
+        writer.write_scalars(step, logged)
+        logging.info('step %d/%d: loss %.4f%s', step, config.total_steps, logged['train_loss'],
+                     speed, extra={'progress': (step, config.total_steps)})  # A bar on a tty.
+        last_metrics.update(logged)
+        logged_losses[step] = float(logged['train_loss'])
+        timer_start, timer_step = time.perf_counter(), step
+      preempted = preemption.reached(step)
+      if preempted or step % config.checkpoint_every == 0 or step == config.total_steps:
+        check_finite(step, metrics)
+        checkpoints.save(state, train_iter.get_state())
+      if preempted:
+        logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
+                        preemption.signal_name or 'SIGTERM')
+        return state, {**last_metrics, 'preempted_at_step': step}
+      if step % config.eval_every == 0 or step == config.total_steps:
+        eval_start = time.perf_counter()
+        eval_metrics = evaluate(eval_step, state.params, config, mesh)
+        writer.write_scalars(step, eval_metrics)
+        logging.info('step %d: test accuracy %.4f, test loss %.4f', step,
+                     eval_metrics['test_accuracy'], eval_metrics['test_loss'])
+        last_metrics.update(eval_metrics)
+        timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
+  except NonFiniteError as e:
+    raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
+                         e.step) from None
   return state, last_metrics
+
+
+def offer_finite_checkpoint(checkpoints: Checkpoints, bad_step: int,
+                            logged_losses: dict[int, float]) -> str:
+  """After a non-finite step `bad_step`: sets aside the checkpoint whose params it started from
+  (to `WORKDIR/diverged_checkpoints`) and says which checkpoint a rerun resumes from."""
+  checkpoints.confirm(wait=True)
+  if bad_step - 1 in checkpoints.manager.all_steps():
+    checkpoints.set_aside(bad_step - 1, 'diverged_checkpoints')
+  offered = checkpoints.latest_step()
+  advice = ('Lower config.base_lr, lengthen config.warmup_steps or check the data, then run '
+            'again: ')
+  if offered is None:
+    return advice + 'no checkpoint was written yet, so it starts afresh.'
+  earlier = [s for s in logged_losses if s <= offered]
+  loss = (f'last logged loss {logged_losses[max(earlier)]:.4f} at step {max(earlier)}'
+          if earlier else 'no loss logged since this run resumed')
+  return advice + f'it resumes from the checkpoint of step {offered} ({loss}).'
 
 
 def check_finite(step: int, metrics: dict) -> None:
@@ -511,35 +736,41 @@ def check_finite(step: int, metrics: dict) -> None:
     loss, grad_norm = float(metrics['train_loss']), float(metrics['grad_norm'])
     raise NonFiniteError(
         f'Non-finite loss or gradient at step {step} (loss {loss}, gradient norm {grad_norm}); '
-        'stopped without checkpointing that state. Lower config.base_lr, lengthen '
-        'config.warmup_steps or check the data, then resume from the last checkpoint.')
+        'stopped without checkpointing that state.', step)
 
 
 class PreemptionWatcher:
-  """Notices SIGTERM, the way TPU VMs and cluster schedulers announce a preemption.
+  """Notices SIGTERM (how TPU VMs and cluster schedulers announce a preemption) and Ctrl-C.
 
-  With one process a SIGTERM handler sets a flag; with several, JAX's distributed runtime
-  (which listens for SIGTERM) makes every process agree on the same step to stop at.
+  With one process a handler of SIGTERM and SIGINT sets a flag, and a second SIGINT stops at
+  once (KeyboardInterrupt); with several, JAX's distributed runtime (which listens for SIGTERM)
+  makes every process agree on the same step to stop at.
   """
 
   def __init__(self):
-    self.signalled = False
-    self._previous = None
+    self.signal_name = None
+    self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous[signum] = signal.signal(signum, self._on_signal)
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    self.signalled = True
+  def _on_signal(self, signum, frame):
+    del frame
+    if signum == signal.SIGINT and self.signal_name == 'SIGINT':
+      raise KeyboardInterrupt
+    self.signal_name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      logging.warning('Ctrl-C: stopping after this step with a checkpoint; press it again to '
+                      'stop at once.')
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self.signalled
+    return self.signal_name is not None
 
   def close(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
 
 
 def load_pretrained_params(config, model):
