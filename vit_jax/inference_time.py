@@ -6,7 +6,8 @@
 
 Without --train it times the forward pass (`train=False`) of a batch of random images; with it,
 one update step of vit_jax.train (forward, backward, optimiser, state donated), counted as 3x the
-forward FLOPs. FLOPs per image are XLA's count of the forward pass (vit_jax.models).
+forward FLOPs. FLOPs per image are counted from the model's shapes (vit_jax.models.forward_flops),
+the same on every backend.
 The step is compiled once (the compile time is reported), run once to warm up, then timed in
 `--rounds` rounds of back-to-back steps that each last about `--round_seconds` (or one step,
 if that is longer). MFU is the achieved FLOP/s over the device's peak for the dtype: the
