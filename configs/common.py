@@ -33,6 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
   # under a jax.checkpoint policy (see models_vit.REMAT_POLICIES), e.g. 'nothing_saveable'.
   config.scan_layers = False
   config.remat_policy = ml_collections.FieldReference(None, field_type=str)
+  # Attention kernel: 'xla', 'cudnn' (fused, on NVIDIA GPUs in 16-bit floats), or 'auto' (cudnn
+  # on NVIDIA GPUs, else xla; see models_vit.resolve_attention).
+  config.attention = 'auto'
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
   config.pretrained_keep_head = False  # True: keep the file's head (same classes).

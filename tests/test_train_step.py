@@ -1,0 +1,55 @@
+"""Tests of the update step, vit_jax/train_step.py, on a tiny model and random images."""
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import numpy as np
+import pytest
+
+from configs import common
+from vit_jax import models
+from vit_jax import train_step
+
+
+@pytest.fixture(scope='module')
+def setup():
+  """(config, model, optimizer, mesh, batch) of the 'testing' model at 16 px on one device."""
+  config = common.with_model(common.get_config(), 'testing')
+  config.update(dict(batch=4, optimizer='adamw', base_lr=0.1, warmup_steps=4, total_steps=10))
+  model = models.get_model('testing', num_classes=10)
+  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  batch = {'image': jax.random.uniform(jax.random.key(0), (4, 16, 16, 3), minval=-1, maxval=1),
+           'label': jnp.arange(4)}
+  return config, model, train_step.make_optimizer(config), mesh, batch
+
+
+def test_logged_learning_rate_follows_the_warmup(setup):
+  config, model, optimizer, mesh, batch = setup
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 16)
+  step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
+  rates = []
+  for _ in range(3):
+    state, metrics = step(state, batch)
+    assert bool(metrics['finite'])
+    rates.append(float(metrics['learning_rate']))
+  np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=1e-6)  # 0.1 * step / 4.
+  assert int(state.step) == 3
+
+
+def test_given_params_start_the_state(setup):
+  config, model, optimizer, mesh, _ = setup
+  params = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), models.param_shapes(model, 16))
+  state, _ = train_step.create_train_state(config, model, optimizer, mesh, 16, params)
+  jax.tree.map(lambda x: np.testing.assert_array_equal(x, 0.5), state.params)
+  fresh, _ = train_step.create_train_state(config, model, optimizer, mesh, 16)
+  assert not np.allclose(fresh.params['embedding']['kernel'], 0.5)
+
+
+def test_importing_the_step_and_the_benchmark_pulls_in_neither_tensorflow_nor_clu():
+  code = ('import sys; import vit_jax.train_step, vit_jax.inference_time; '
+          'print(sorted({m.split(".")[0] for m in sys.modules} & '
+          '{"tensorflow", "tensorflow_datasets", "clu"}))')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == '[]'
