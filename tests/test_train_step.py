@@ -57,3 +57,26 @@ def test_the_step_and_the_benchmarks_import_neither_tensorflow_nor_clu():
           '{"tensorflow", "tensorflow_datasets", "clu"}))')
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == '[]'
+
+
+def test_bfloat16_vit_b16_training_step_lowers_for_gpu_with_cudnn_attention_both_ways():
+  # Deviceless: lowered for CUDA on whatever host runs the test; skipped without cuDNN.
+  config = common.with_model(common.get_config(), 'ViT-B_16')
+  config.update(dict(batch=2, optimizer='adamw'))
+  model = models.get_model('ViT-B_16', num_classes=1000, dtype=jnp.bfloat16, attention='cudnn')
+  optimizer = train_step.make_optimizer(config)
+  params = models.param_shapes(model.clone(attention='xla'))  # Same tree; traced without cuDNN.
+  state = train_step.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+      opt_state=jax.eval_shape(optimizer.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+  batch = {'image': jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32),
+           'label': jax.ShapeDtypeStruct((2,), jnp.int32)}
+  step = jax.jit(train_step.make_train_step(model, optimizer, config))
+  try:
+    text = step.trace(state, batch).lower(lowering_platforms=('cuda',)).as_text()
+  except RuntimeError as e:
+    if 'cuDNN' not in str(e):
+      raise
+    pytest.skip(f'lowering cuDNN attention needs jax-cuda12-plugin and cuDNN installed ({e})')
+  assert text.count('custom_call @__cudnn$fmhaSoftmax(') == 12  # 197 tokens, padded to 208.
+  assert text.count('custom_call @__cudnn$fmhaSoftmaxBackward(') == 12
