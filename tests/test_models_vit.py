@@ -335,8 +335,8 @@ def mean_logit(model, images, train):
 
 def lowered_for_gpu(model, images, train):
   """The StableHLO text of `mean_logit`, lowered for a CUDA GPU on whatever host runs the
-  test."""
-  params = model.init(jax.random.key(0), images, train=False)['params']
+  test (the parameters are initialised here, on the CPU, with XLA's attention)."""
+  params = model.clone(attention='xla').init(jax.random.key(0), images, train=False)['params']
   return mean_logit(model, images, train).trace(params).lower(
       lowering_platforms=('cuda',)).as_text()
 
@@ -409,7 +409,8 @@ def compiled_for_h200(model, images, train):
   except NotImplementedError as e:
     pytest.skip(f'compiling for a GPU needs jax-cuda12-plugin and cuDNN installed ({e})')
   replicated = NamedSharding(topologies.make_mesh(topology, (1,), ('data',)), P())
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False)['params'])
+  init = model.clone(attention='xla').init  # The same parameters, traced without cuDNN.
+  params = jax.eval_shape(lambda: init(jax.random.key(0), images, train=False)['params'])
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         params)
   options = {'xla_gpu_enable_triton_gemm': False} if train else {}
