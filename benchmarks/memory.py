@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from vit_jax import config as defaults
 from vit_jax import models
 from vit_jax import train
+from vit_jax import train_step
 
 VARIANTS = {  # name: (scan_layers, rematerialise)
     'plain': (False, False),
@@ -41,13 +42,13 @@ def step_config(model_name: str, batch: int):
 
 def compile_step(config, model, image_size: int):
   """(compiled train step, seconds to compile), for an abstract state and batch of `config`."""
-  optimizer = train.make_optimizer(config)
+  optimizer = train_step.make_optimizer(config)
   mesh = train.make_mesh(config, jax.devices()[:1])
   state = jax.eval_shape(
-      lambda: train.create_train_state(config, model, optimizer, mesh, image_size)[0])
+      lambda: train_step.create_train_state(config, model, optimizer, mesh, image_size)[0])
   batch = {'image': jax.ShapeDtypeStruct((config.batch, image_size, image_size, 3), jnp.float32),
            'label': jax.ShapeDtypeStruct((config.batch,), jnp.int32)}
-  step = jax.jit(train.make_train_step(model, optimizer, config), donate_argnums=0)
+  step = jax.jit(train_step.make_train_step(model, optimizer, config), donate_argnums=0)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   return compiled, time.perf_counter() - start

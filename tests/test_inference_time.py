@@ -1,6 +1,7 @@
 """Smoke tests of the speed benchmark, vit_jax/inference_time.py, on the tiny 'testing' model."""
 import json
 
+import jax
 import pytest
 
 from vit_jax import inference_time
@@ -72,3 +73,12 @@ def test_bad_arguments_name_the_flag(flags, message, capsys):
     inference_time.main(FAST + flags)
   assert message in capsys.readouterr().err
 
+
+
+def test_runs_where_the_backend_counts_no_flops(tmp_path, monkeypatch):
+  # XLA:GPU's lowering gives no cost analysis (jax 0.11, CUDA 13): the count must not need one.
+  monkeypatch.setattr(jax.stages.Lowered, 'cost_analysis', lambda self: None)
+  monkeypatch.setattr(jax.stages.Compiled, 'cost_analysis', lambda self: None)
+  result = run_cli(tmp_path, '--batch', '2')
+  check_consistent(result)
+  assert result['gflops_per_image'] == pytest.approx(157_538e-9, rel=0.01)  # XLA:CPU's count.

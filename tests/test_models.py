@@ -1,6 +1,7 @@
 """Tests of the registry, vit_jax/models.py."""
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -58,6 +59,30 @@ def test_hybrid_r50_b16_gives_14x14_tokens_at_224():
   assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 14 * 14 + 1, 768)
   assert params['embedding']['kernel'].shape == (1, 1, 1024, 768)
   assert params['block3']['unit9']['conv3']['kernel'].shape == (1, 1, 256, 1024)
+
+
+def xla_gflops(model, image_size):
+  """GFLOPs of one image's forward pass as XLA:CPU's cost analysis counts them in the lowered
+  (not compiled) unscanned model."""
+  params = models.param_shapes(model, image_size)
+  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  lowered = jax.jit(lambda p, x: model.apply({'params': p}, x, train=False)).lower(params, images)
+  return lowered.cost_analysis()['flops'] / 1e9
+
+
+# One block per model keeps the lowering fast; blocks then weigh least against stem, patch
+# embedding and head, so these are checked the hardest.
+@pytest.mark.parametrize('name', models.MODEL_CONFIGS)
+def test_gflops_match_xla_cost_analysis_within_one_percent(name):
+  model = models.get_model(name, num_classes=1000, num_layers=1)
+  assert models.gflops_per_image(model, 224) == pytest.approx(xla_gflops(model, 224), rel=0.01)
+
+
+def test_gflops_match_xla_at_another_resolution_and_classifiers():
+  for classifier in ('unpooled', 'token_unpooled'):
+    model = models.get_model('ViT-Ti_16', num_classes=10, num_layers=2, classifier=classifier,
+                             representation_size=64)
+    assert models.gflops_per_image(model, 96) == pytest.approx(xla_gflops(model, 96), rel=0.01)
 
 
 def test_gflops_of_b16_match_the_paper():

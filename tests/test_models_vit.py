@@ -309,10 +309,49 @@ def test_unknown_remat_policy_is_a_clear_error():
     tiny_vit(remat_policy='dots').init(jax.random.key(0), images_of(), train=False)
 
 
-def mean_logit_on_gpu(model, images, train, monkeypatch):
-  """params -> the model's mean logit (its gradient when `train`), jitted, with the model
-  seeing a GPU as its backend (so that it picks cuDNN's attention where it would there)."""
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+def plain_attention(q, k, v):
+  """softmax(q k^T) v over (B, N, T, K), as the XLA path computes it."""
+  return jnp.einsum('bnqt,bntk->bnqk', jax.nn.softmax(jnp.einsum('bnqk,bntk->bnqt', q, k)), v)
+
+
+@pytest.mark.parametrize('tokens', [17, 16, 5])
+def test_padded_and_masked_attention_equals_plain_attention_with_gradients(tokens):
+  q, k, v = (jax.random.normal(key, (2, 3, tokens, 8))
+             for key in jax.random.split(jax.random.key(0), 3))
+  padded = lambda *a: models_vit.padded_attention(*a, multiple=16, implementation='xla')
+  np.testing.assert_allclose(padded(q, k, v), plain_attention(q, k, v), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(padded(q, k, v), np_msa_heads(q, k, v), rtol=1e-4, atol=1e-5)
+  grads = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(q, k, v)
+  for expected, actual in zip(grads(plain_attention), grads(padded)):
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def np_msa_heads(q, k, v):
+  """The numpy reference's attention (np_msa) on (B, N, T, K) inputs, q already scaled."""
+  logits = np.einsum('bnqk,bntk->bnqt', q, k)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.einsum('bnqt,bntk->bnqk', weights / weights.sum(-1, keepdims=True), v)
+
+
+def test_auto_attention_is_cudnn_only_on_nvidia_gpus():
+  assert models_vit.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
+  assert models_vit.resolve_attention('cudnn', jax.devices()) == 'cudnn'
+  with pytest.raises(ValueError, match=r"attention='auto'; choose one of \('xla', 'cudnn'\)"):
+    tiny_vit(attention='auto').init(jax.random.key(0), images_of(), train=False)
+
+
+def test_cudnn_attention_where_it_does_not_fit_runs_xla_attention_on_cpu():
+  # float32, and in bfloat16 a head size of 4: cuDNN takes neither, so nothing asks for it.
+  images = images_of()
+  params = random_params(tiny_vit(), images)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    np.testing.assert_array_equal(
+        tiny_vit(attention='cudnn', dtype=dtype).apply({'params': params}, images, train=True),
+        tiny_vit(dtype=dtype).apply({'params': params}, images, train=True))
+
+
+def mean_logit(model, images, train):
+  """params -> the model's mean logit (its gradient when `train`), jitted."""
   def loss(params):
     logits = model.apply({'params': params}, images, train=train,
                          rngs={'dropout': jax.random.key(1)})
@@ -320,42 +359,43 @@ def mean_logit_on_gpu(model, images, train, monkeypatch):
   return jax.jit(jax.grad(loss) if train else loss)
 
 
-def lowered_for_gpu(model, images, train, monkeypatch):
-  """The StableHLO text of `mean_logit_on_gpu`, lowered for a CUDA GPU on whatever host runs
-  the test."""
-  params = model.init(jax.random.key(0), images, train=False)['params']
-  fn = mean_logit_on_gpu(model, images, train, monkeypatch)
-  return fn.trace(params).lower(lowering_platforms=('cuda',)).as_text()
+def lowered_for_gpu(model, images, train):
+  """The StableHLO text of `mean_logit`, lowered for a CUDA GPU on whatever host runs the
+  test (the parameters are initialised here, on the CPU, with XLA's attention)."""
+  params = model.clone(attention='xla').init(jax.random.key(0), images, train=False)['params']
+  return mean_logit(model, images, train).trace(params).lower(
+      lowering_platforms=('cuda',)).as_text()
 
 
-def lowered_with_cudnn(*args):
-  """lowered_for_gpu, skipping the test where JAX cannot find cuDNN (no jax-cuda12-plugin)."""
+def skip_without_cudnn(lower, *args):
+  """lower(*args), skipping the test where JAX cannot find cuDNN (no jax-cuda12-plugin)."""
   try:
-    return lowered_for_gpu(*args)
+    return lower(*args)
   except RuntimeError as e:
     if 'cuDNN' not in str(e):
       raise
     pytest.skip(f'lowering cuDNN attention needs jax-cuda12-plugin and cuDNN installed ({e})')
 
 
-CUDA_VIT = dict(hidden_size=32, num_heads=2, dtype=jnp.bfloat16)  # head size 16
+CUDA_VIT = dict(hidden_size=32, num_heads=2, dtype=jnp.bfloat16, attention='cudnn')  # K = 16
 
 
-def test_bfloat16_training_with_a_class_token_lowers_for_gpu_without_cudnn_attention(monkeypatch):
-  text = lowered_for_gpu(tiny_vit(**CUDA_VIT), images_of(), True, monkeypatch)  # 17 tokens
+def test_bfloat16_training_with_xla_attention_lowers_for_gpu_without_cudnn():
+  text = lowered_for_gpu(tiny_vit(**{**CUDA_VIT, 'attention': 'xla'}), images_of(), True)
   assert 'cudnn' not in text
   assert 'bf16' in text
 
 
-def test_bfloat16_inference_lowers_for_gpu_with_cudnn_attention(monkeypatch):
-  text = lowered_with_cudnn(tiny_vit(**CUDA_VIT), images_of(), False, monkeypatch)
+def test_bfloat16_inference_lowers_for_gpu_with_cudnn_attention():
+  text = skip_without_cudnn(lowered_for_gpu, tiny_vit(**CUDA_VIT), images_of(), False)
   assert text.count('custom_call @__cudnn$fmhaSoftmax(') == TINY['num_layers']
 
 
-def test_bfloat16_training_of_even_length_lowers_for_gpu_with_cudnn_attention(monkeypatch):
-  text = lowered_with_cudnn(tiny_vit(classifier='gap', **CUDA_VIT), images_of(), True,
-                            monkeypatch)  # 16 tokens
-  assert text.count('custom_call @__cudnn$fmhaSoftmax(') == TINY['num_layers']
+@pytest.mark.parametrize('classifier', ['token', 'gap'])  # 17 tokens (padded to 32), 16.
+def test_bfloat16_training_lowers_for_gpu_with_cudnn_attention(classifier):
+  text = skip_without_cudnn(lowered_for_gpu, tiny_vit(classifier=classifier, **CUDA_VIT),
+                            images_of(), True)
+  assert text.count('custom_call @__cudnn$fmha') == 2 * TINY['num_layers']
   assert text.count('custom_call @__cudnn$fmhaSoftmaxBackward(') == TINY['num_layers']
 
 
@@ -380,8 +420,8 @@ device_description_str: "NVIDIA H200"
 """
 
 
-def compiled_for_h200(model, images, train, monkeypatch):
-  """The optimised HLO text of `mean_logit_on_gpu`, compiled by XLA:GPU for an H200 on
+def compiled_for_h200(model, images, train):
+  """The optimised HLO text of `mean_logit`, compiled by XLA:GPU for an H200 on
   whatever host runs the test (deviceless ahead-of-time compilation); skips the test where no
   JAX CUDA plugin is installed.
 
@@ -395,22 +435,20 @@ def compiled_for_h200(model, images, train, monkeypatch):
   except NotImplementedError as e:
     pytest.skip(f'compiling for a GPU needs jax-cuda12-plugin and cuDNN installed ({e})')
   replicated = NamedSharding(topologies.make_mesh(topology, (1,), ('data',)), P())
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False)['params'])
+  init = model.clone(attention='xla').init  # The same parameters, traced without cuDNN.
+  params = jax.eval_shape(lambda: init(jax.random.key(0), images, train=False)['params'])
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         params)
   options = {'xla_gpu_enable_triton_gemm': False} if train else {}
-  lowered = mean_logit_on_gpu(model, images, train, monkeypatch).lower(params)
+  lowered = mean_logit(model, images, train).lower(params)
   return lowered.compile(compiler_options=options).as_text()
 
 
-def test_bfloat16_inference_compiles_for_an_h200_with_cudnn_attention(monkeypatch):
-  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), False, monkeypatch)
+def test_bfloat16_inference_compiles_for_an_h200_with_cudnn_attention():
+  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), False)
   assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == TINY['num_layers']
 
 
-def test_bfloat16_training_compiles_for_an_h200(monkeypatch):
-  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), True, monkeypatch)
-  assert 'cudnn$fmha' not in text  # 17 tokens: XLA's attention.
-  gap = compiled_for_h200(tiny_vit(classifier='gap', **CUDA_VIT), images_of(), True,
-                          monkeypatch)
-  assert gap.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == TINY['num_layers']
+def test_bfloat16_training_with_a_class_token_compiles_for_an_h200_with_cudnn_attention():
+  text = compiled_for_h200(tiny_vit(**CUDA_VIT), images_of(), True)  # 17 tokens, padded.
+  assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == TINY['num_layers']

@@ -10,6 +10,7 @@ from vit_jax import input_pipeline
 from vit_jax import registry
 from vit_jax import sharding
 from vit_jax import train
+from vit_jax import train_step
 import tiny_config
 
 
@@ -24,8 +25,8 @@ def config_for(strategy, mesh_model=1):
 
 def abstract_state(config, mesh):
   model = train.build_model(config, num_classes=10)
-  optimizer = train.make_optimizer(config)
-  return jax.eval_shape(lambda: train.create_train_state(config, model, optimizer, mesh, 28)[0])
+  optimizer = train_step.make_optimizer(config)
+  return jax.eval_shape(lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
 
 
 def specs_of(strategy, mesh_model=1):
@@ -82,9 +83,9 @@ def loss_curve_and_state(strategy, mesh_model=1, steps=3):
   config = config_for(strategy, mesh_model)
   mesh = train.make_mesh(config)
   model = train.build_model(config, num_classes=10)
-  optimizer = train.make_optimizer(config)
-  state, shardings = train.create_train_state(config, model, optimizer, mesh, 28)
-  step = train.jit_train_step(model, optimizer, config, mesh, shardings)
+  optimizer = train_step.make_optimizer(config)
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 28)
+  step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   batches = input_pipeline.get_train_iterator(config, mesh)
   losses = []
   for _ in range(steps):

@@ -16,6 +16,7 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import registry
 from vit_jax import train
+from vit_jax import train_step
 
 
 def tiny_config(**overrides):
@@ -92,9 +93,9 @@ def test_resume_ends_with_the_same_params_as_an_uninterrupted_run(trained_workdi
 
 def one_step_state(config, mesh):
   model = train.build_model(config, num_classes=10)
-  optimizer = train.make_optimizer(config)
-  state, shardings = train.create_train_state(config, model, optimizer, mesh, config.pp.crop)
-  step = jax.jit(train.make_train_step(model, optimizer, config))
+  optimizer = train_step.make_optimizer(config)
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, config.pp.crop)
+  step = jax.jit(train_step.make_train_step(model, optimizer, config))
   return state, step
 
 

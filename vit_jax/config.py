@@ -43,6 +43,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   # under a jax.checkpoint policy (see models_vit.REMAT_POLICIES), e.g. 'nothing_saveable'.
   config.scan_layers = False
   config.remat_policy = ml_collections.FieldReference(None, field_type=str)
+  config.attention = 'auto'
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
   config.pretrained_keep_head = False  # True: keep the file's head (same classes).
@@ -113,6 +114,8 @@ FIELD_HELP = {
     'scan_layers': 'Run the blocks as one nn.scan: compile time independent of depth.',
     'remat_policy': 'Rematerialise blocks under this jax.checkpoint policy, e.g. '
                     "'nothing_saveable'; None: off.",
+    'attention': "Attention kernel: 'xla', 'cudnn' (fused; NVIDIA GPUs, 16-bit floats) or "
+                 "'auto' (cudnn on NVIDIA GPUs, else xla).",
     'pretrained_path': 'Fine-tune from this .npz checkpoint or training workdir.',
     'posemb_method': "How pretrained position embeddings are resized: 'bilinear', ...",
     'pretrained_keep_head': "Keep the checkpoint's head (same classes) instead of a new one.",

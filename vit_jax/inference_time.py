@@ -5,8 +5,10 @@
     python -m vit_jax.inference_time --model ViT-B_16 --batch 64 --dtype bfloat16   # on a GPU
 
 Without --train it times the forward pass (`train=False`) of a batch of random images; with it,
-one update step of vit_jax.train (forward, backward, optimiser, state donated), counted as 3x the
-forward FLOPs. FLOPs per image are XLA's count of the forward pass (vit_jax.models).
+one update step of vit_jax.train_step (forward, backward, optimiser, state donated), as training
+jits it, counted as 3x the
+forward FLOPs. FLOPs per image are counted from the model's shapes (vit_jax.models.forward_flops),
+the same on every backend.
 The step is compiled once (the compile time is reported), run once to warm up, then timed in
 `--rounds` rounds of back-to-back steps that each last about `--round_seconds` (or one step,
 if that is longer). MFU is the achieved FLOP/s over the device's peak for the dtype: the
@@ -28,11 +30,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vit_jax import config as defaults
 from vit_jax import hardware
 from vit_jax import models
+from vit_jax import models_vit
+from vit_jax import train_step
 
 Runner = Callable[[int], None]  # run(n): n back-to-back steps, returning once the last is done.
 NUM_CLASSES = 1000
@@ -87,21 +92,21 @@ def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
 
 
 def train_runner(config, model, image_size: int, devices) -> tuple[Runner, float]:
-  """(a runner of vit_jax.train's update step on `config.batch` images, its compile seconds).
+  """(a runner of vit_jax.train_step's update step on `config.batch` images, its compile
+  seconds).
 
-  The step is jitted as the training loop jits it (`train.jit_train_step`): state and batch
-  placed on a mesh of `devices`, the batch split over them, the state donated, so that each
-  step updates it in place.
+  The step is jitted as the training loop jits it (`train_step.jit_train_step`): state and
+  batch placed on a ('data', 'model') mesh of `devices` along 'data', the batch split over them,
+  the state donated, so that each step updates it in place.
   """
-  from vit_jax import train  # Imports TensorFlow (through the input pipeline): only when needed.
-  mesh = train.make_mesh(config, devices)
-  optimizer = train.make_optimizer(config)
-  state, shardings = train.create_train_state(config, model, optimizer, mesh, image_size)
+  mesh = Mesh(np.asarray(devices).reshape(-1, 1), ('data', 'model'))
+  optimizer = train_step.make_optimizer(config)
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, image_size)
   batch = jax.device_put({'image': random_images(config.batch, image_size),
                           'label': jnp.arange(config.batch) % NUM_CLASSES},
                          NamedSharding(mesh, P('data')))
   step, seconds = compile_timed(
-      train.jit_train_step(model, optimizer, config, mesh, shardings), state, batch)
+      train_step.jit_train_step(model, optimizer, config, mesh, shardings), state, batch)
 
   def run(n: int) -> None:
     nonlocal state
@@ -149,14 +154,16 @@ def timed_rounds(run_model: Runner, run_peak: Runner | None, rounds: int,
 
 def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float32',
               train: bool = False, optimizer: str = 'sgd', rounds: int = 5,
-              round_seconds: float = 1.0, peak_size: int = 2048) -> dict:
+              round_seconds: float = 1.0, peak_size: int = 2048, attention: str = 'auto') -> dict:
   """Times the model (and, without a published peak, the matmul); returns the figures.
 
   They are those of the round of median MFU; `mfu_rounds` lists every round's.
   """
   devices = benchmark_devices(batch)
   device = devices[0]
-  model = models.get_model(model_name, num_classes=NUM_CLASSES, dtype=jnp.dtype(dtype))
+  attention = models_vit.resolve_attention(attention, devices)
+  model = models.get_model(model_name, num_classes=NUM_CLASSES, dtype=jnp.dtype(dtype),
+                           attention=attention)
   if train:
     config = train_config(model_name, batch, dtype, optimizer)
     run_model, compile_seconds = train_runner(config, model, image_size, devices)
@@ -175,6 +182,7 @@ def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float3
   return {
       'model': model_name, 'mode': 'train' if train else 'inference', 'batch': batch,
       'image_size': image_size, 'dtype': dtype, 'optimizer': optimizer if train else None,
+      'attention': attention,
       'device': device.device_kind, 'platform': device.platform, 'devices': len(devices),
       'images_per_second': batch / step_seconds, 'ms_per_batch': 1e3 * step_seconds,
       'gflops_per_image': gflops_per_image, 'achieved_gflops': achieved_gflops,
@@ -224,6 +232,8 @@ def main(argv=None):
                       help='Time a training step (forward, backward, optimiser) instead.')
   parser.add_argument('--optimizer', choices=('sgd', 'adamw'), default='sgd',
                       help='With --train: the optimiser of vit_jax.train.')
+  parser.add_argument('--attention', choices=('auto',) + models_vit.ATTENTION_KERNELS,
+                      default='auto', help="Attention kernel; 'auto': cuDNN's on NVIDIA GPUs.")
   parser.add_argument('--rounds', type=int, default=5,
                       help='Timed rounds; the figures are those of the round of median MFU.')
   parser.add_argument('--round_seconds', type=float, default=1.0,
@@ -235,7 +245,8 @@ def main(argv=None):
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   check_args(parser, args)
   result = benchmark(args.model, args.batch, args.image_size, args.dtype, args.train,
-                     args.optimizer, args.rounds, args.round_seconds, args.peak_size)
+                     args.optimizer, args.rounds, args.round_seconds, args.peak_size,
+                     args.attention)
   print(format_result(result))
   if args.out:
     with open(args.out, 'w') as f:

@@ -25,6 +25,10 @@ TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token 
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'everything_saveable')
 LAYERNORM_EPS = 1e-6
+ATTENTION_KERNELS = ('xla', 'cudnn')
+# Training pads the tokens to a multiple of this for cuDNN's fused attention, whose gradient
+# (jax 0.10.2) rejects odd sequence lengths such as 197 (a class token and 14x14 patches).
+CUDNN_TRAIN_SEQ_MULTIPLE = 16
 
 
 def _layer_norm(dtype, name=None):
@@ -108,13 +112,35 @@ class DenseGeneralParams(nn.Module):
     return kernel, self.param('bias', nn.initializers.zeros, self.out_shape)
 
 
-def _cudnn_attention(dtype, head_size: int, seq_len: int, training: bool) -> bool:
-  """Whether jax.nn.dot_product_attention can run cuDNN's fused attention on these inputs:
-  on a GPU, in 16-bit floats, with a head size that is a multiple of 8 up to 128, and, when
-  training, an even sequence length (jax 0.10.2's cuDNN gradient rejects odd ones, such as
-  the 197 tokens of a class token and 14x14 patches)."""
-  return (jax.default_backend() == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-          and head_size % 8 == 0 and head_size <= 128 and not (training and seq_len % 2))
+def resolve_attention(attention: str, devices) -> str:
+  """The attention kernel for a model run on `devices`: 'auto' is 'cudnn' on NVIDIA GPUs and
+  'xla' elsewhere; 'xla' and 'cudnn' stay as they are."""
+  if attention != 'auto':
+    return attention
+  device = devices[0]
+  return 'cudnn' if device.platform == 'gpu' and 'NVIDIA' in device.device_kind else 'xla'
+
+
+def cudnn_fits(dtype, head_size: int) -> bool:
+  """Whether cuDNN's fused attention takes heads of `head_size` in `dtype`: 16-bit floats, and a
+  head size that is a multiple of 8 up to 128."""
+  return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_size % 8 == 0
+          and head_size <= 128)
+
+
+def padded_attention(q, k, v, multiple: int, implementation: str = 'cudnn'):
+  """softmax(q k^T) v of heads-major (B, N, T, K) inputs, q already scaled, through
+  jax.nn.dot_product_attention's `implementation`: T is padded with zeros up to a multiple of
+  `multiple`, the padded keys are masked out (as past the sequence length) and the padded
+  queries dropped from the (B, N, T, K) result."""
+  b, _, t, _ = q.shape
+  padded = -(-t // multiple) * multiple
+  lengths = jnp.full((b,), t, jnp.int32) if padded > t else None
+  to_btnk = lambda a: jnp.pad(a.swapaxes(1, 2), ((0, 0), (0, padded - t), (0, 0), (0, 0)))
+  y = jax.nn.dot_product_attention(
+      to_btnk(q), to_btnk(k), to_btnk(v), scale=1.0, query_seq_lengths=lengths,
+      key_value_seq_lengths=lengths, implementation=implementation)
+  return y[:, :t].swapaxes(1, 2)
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -124,14 +150,16 @@ class MultiHeadDotProductAttention(nn.Module):
   `out/kernel` (N, K, D), `out/bias` (D,). The projections give heads-major (B, N, T, K) values
   directly, so that both attention products are batched over leading (B, N) without transposes
   (what XLA's CPU backend runs fastest), and the query is scaled by 1/sqrt(K) before the
-  logits, inside the bias add. On a GPU in 16-bit floats the attention is cuDNN's fused
-  kernel, through jax.nn.dot_product_attention, where `_cudnn_attention` allows. When the
-  caller makes `intermediates` mutable, the attention weights (B, N, T, T) are sown as
-  `attention_weights` (used by the visualisations).
+  logits, inside the bias add. With `attention='cudnn'` the attention is cuDNN's fused kernel
+  where `cudnn_fits` allows, through `padded_attention` (in training, on tokens padded to a
+  multiple of CUDNN_TRAIN_SEQ_MULTIPLE); attention dropout, and the attention weights (B, N,
+  T, T) sown as `attention_weights` when the caller makes `intermediates` mutable (for the
+  visualisations), take XLA's path.
   """
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = 'xla'  # One of ATTENTION_KERNELS.
 
   @nn.compact
   def __call__(self, x, *, deterministic):
@@ -150,17 +178,15 @@ class MultiHeadDotProductAttention(nn.Module):
     key, value = project('key'), project('value')  # q, key, value: (B, N, T, K).
 
     use_dropout = self.dropout_rate > 0 and not deterministic
-    if (use_dropout or self.is_mutable_collection('intermediates')
-        or not _cudnn_attention(self.dtype, k, x.shape[1], training=not deterministic)):
+    if (self.attention == 'xla' or use_dropout or self.is_mutable_collection('intermediates')
+        or not cudnn_fits(self.dtype, k)):
       logits = jnp.einsum('bnqk,bntk->bnqt', q, key)
       weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
       self.sow('intermediates', 'attention_weights', weights)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
       y = jnp.einsum('bnqt,bntk->bnqk', weights, value)
     else:
-      y = jax.nn.dot_product_attention(
-          *(a.swapaxes(1, 2) for a in (q, key, value)), scale=1.0,
-          implementation='cudnn').swapaxes(1, 2)
+      y = padded_attention(q, key, value, 1 if deterministic else CUDNN_TRAIN_SEQ_MULTIPLE)
 
     out_kernel, out_bias = DenseGeneralParams((n, k), (d,), name='out')()
     return jnp.einsum('bnqk,nkd->bqd', y, out_kernel.astype(self.dtype)) + out_bias.astype(
@@ -175,13 +201,14 @@ class Encoder1DBlock(nn.Module):
   attention_dropout_rate: float = 0.0
   approximate_gelu: bool = True
   dtype: Dtype = jnp.float32
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, inputs, deterministic):
     x = _layer_norm(self.dtype)(inputs)
     x = MultiHeadDotProductAttention(
-        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype)(
-            x, deterministic=deterministic)
+        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
+        attention=self.attention)(x, deterministic=deterministic)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     x = x + inputs
     y = _layer_norm(self.dtype)(x)
@@ -228,6 +255,7 @@ class Encoder(nn.Module):
   dtype: Dtype = jnp.float32
   scan_layers: bool = False
   remat_policy: Optional[str] = None
+  attention: str = 'xla'
 
   def remat(self, block_class):
     """`block_class`, rematerialised under `remat_policy` when one is set."""
@@ -244,7 +272,8 @@ class Encoder(nn.Module):
     block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,
                         dropout_rate=self.dropout_rate,
                         attention_dropout_rate=self.attention_dropout_rate,
-                        approximate_gelu=self.approximate_gelu, dtype=self.dtype)
+                        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+                        attention=self.attention)
     if self.scan_layers:
       blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
                        split_rngs={'params': True, 'dropout': True}, in_axes=nn.broadcast,
@@ -281,11 +310,15 @@ class VisionTransformer(nn.Module):
   dtype: Dtype = jnp.float32
   scan_layers: bool = False  # The blocks as one nn.scan; parameters at Transformer/encoderblock.
   remat_policy: Optional[str] = None  # A REMAT_POLICIES name: rematerialise each block.
+  attention: str = 'xla'  # 'cudnn': cuDNN's fused attention where it fits (resolve_attention).
 
   def check_images(self, images):
     """Raises a ValueError, naming the sizes, for images the model cannot cut into patches."""
     if self.classifier not in CLASSIFIERS:
       raise ValueError(f'classifier={self.classifier!r}; choose one of {CLASSIFIERS}.')
+    if self.attention not in ATTENTION_KERNELS:
+      raise ValueError(f'attention={self.attention!r}; choose one of {ATTENTION_KERNELS} '
+                       "(models_vit.resolve_attention turns 'auto' into one for the devices).")
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
     if not jnp.issubdtype(images.dtype, jnp.floating):
@@ -343,6 +376,7 @@ class VisionTransformer(nn.Module):
                 attention_dropout_rate=self.attention_dropout_rate,
                 approximate_gelu=self.approximate_gelu, dtype=self.dtype,
                 scan_layers=self.scan_layers, remat_policy=self.remat_policy,
+                attention=self.attention,
                 name='Transformer')(x, train=train)
 
     if self.classifier == 'token':

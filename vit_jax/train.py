@@ -16,14 +16,12 @@ import time
 from typing import Any, Callable
 
 from clu import metric_writers
-import flax
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 
 from vit_jax import checkpoint
@@ -33,8 +31,9 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import sharding
-
-Batch = dict[str, jax.Array]
+# The update step lives in vit_jax.train_step, free of TensorFlow.
+from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
+from vit_jax.train_step import jit_train_step, make_optimizer
 
 
 # Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
@@ -53,15 +52,6 @@ class NonFiniteError(RuntimeError):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step  # The first step found non-finite.
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a resumed run needs besides the data order: step, params, optimiser, rng."""
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  rng: jax.Array  # A raw uint32 PRNG key; dropout keys are folded in from it per step.
 
 
 # Setup.
@@ -134,7 +124,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
-                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES)):
+                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
+                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS)):
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
   return None
@@ -195,60 +186,13 @@ def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
 
 
 def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  """The VisionTransformer of `config.model` with the config's dtype, scan and remat settings and
-  the PRETRAINED_FIELDS of the pretrained checkpoint."""
+  """The VisionTransformer of `config.model` with the config's dtype, scan, remat and attention
+  settings (`auto` resolved for jax.devices()) and the PRETRAINED_FIELDS of the pretrained
+  checkpoint."""
   return models.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
-      'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy})
-
-
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup from 0 to `base_lr` over `warmup_steps`, then cosine or linear to `min_lr`."""
-  warmup = optax.linear_schedule(0.0, config.base_lr, config.warmup_steps)
-  decay_steps = max(config.total_steps - config.warmup_steps, 1)
-  if config.decay_type == 'cosine':
-    decay = optax.cosine_decay_schedule(config.base_lr, decay_steps,
-                                        alpha=config.min_lr / config.base_lr)
-  else:
-    decay = optax.linear_schedule(config.base_lr, config.min_lr, decay_steps)
-  return optax.join_schedules([warmup, decay], [config.warmup_steps])
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Global-norm clipping, then momentum SGD (bfloat16 accumulator) or AdamW on kernels."""
-  schedule = learning_rate_schedule(config)
-  if config.optimizer == 'sgd':
-    update = optax.sgd(schedule, momentum=config.momentum, accumulator_dtype=jnp.bfloat16)
-  else:
-    decay_kernels = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: path[-1].key == 'kernel', params)
-    update = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay,
-                         mask=decay_kernels)
-  return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update)
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
-  """Per-example softmax cross-entropy: logits (B, C), int labels (B,) -> (B,)."""
-  targets = jax.nn.one_hot(labels, logits.shape[-1])
-  if label_smoothing:
-    targets = optax.smooth_labels(targets, label_smoothing)
-  return optax.softmax_cross_entropy(logits, targets)
-
-
-def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
-                       params: Any = None) -> tuple[TrainState, TrainState]:
-  """(state, its shardings), initialised on the devices; `params` replaces the fresh ones."""
-  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
-
-  def init(rng):
-    new_params = model.init(rng, images, train=False)['params'] if params is None else params
-    return TrainState(step=jnp.zeros((), jnp.int32), params=new_params,
-                      opt_state=optimizer.init(new_params), rng=jax.random.fold_in(rng, 1))
-
-  rng = jax.random.PRNGKey(config.seed)
-  shardings = sharding.state_shardings(jax.eval_shape(init, rng), mesh, config.sharding,
-                                       config.logical_axis_rules)
-  return jax.jit(init, out_shardings=shardings)(rng), shardings
+      'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
+      'attention': models_vit.resolve_attention(config.attention, jax.devices())})
 
 
 def init_params(config, model, image_size: int):
@@ -256,64 +200,6 @@ def init_params(config, model, image_size: int):
   images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
   return jax.jit(lambda rng: model.init(rng, images, train=False)['params'])(
       jax.random.PRNGKey(config.seed))
-
-
-# The step.
-
-
-def microbatches(batch: Batch, accum_steps: int) -> Batch:
-  """(B, ...) -> (accum_steps, B / accum_steps, ...); each micro-batch takes from every device."""
-  return jax.tree.map(
-      lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
-      batch)
-
-
-def make_train_step(model, optimizer, config) -> Callable[[TrainState, Batch], tuple]:
-  """update(state, batch) -> (state, metrics): forward, backward, optimiser; not yet jitted."""
-  schedule = learning_rate_schedule(config)
-
-  def loss_fn(params, images, labels, rng):
-    logits = model.apply({'params': params}, images, train=True, rngs={'dropout': rng})
-    return jnp.mean(cross_entropy(logits, labels, config.label_smoothing))
-
-  def loss_and_grads(params, batch, rng):
-    if config.accum_steps == 1:
-      return jax.value_and_grad(loss_fn)(params, batch['image'], batch['label'], rng)
-
-    def accumulate(carry, micro):
-      index, micro_batch = micro
-      loss, grads = jax.value_and_grad(loss_fn)(
-          params, micro_batch['image'], micro_batch['label'], jax.random.fold_in(rng, index))
-      return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(
-        accumulate, zeros, (jnp.arange(config.accum_steps), microbatches(batch, config.accum_steps)))
-    return jax.tree.map(lambda x: x / config.accum_steps, (loss, grads))
-
-  def train_step(state: TrainState, batch: Batch):
-    rng = jax.random.fold_in(state.rng, state.step)
-    loss, grads = loss_and_grads(state.params, batch, rng)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # A non-finite step leaves params and optimiser state as they were (the loop then stops).
-    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-    metrics = {'train_loss': loss, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
-               'finite': finite}
-    return new_state, metrics
-
-  return train_step
-
-
-def jit_train_step(model, optimizer, config, mesh: Mesh, shardings):
-  """`make_train_step` jitted over `mesh`: the state laid out as `shardings` and donated (it is
-  updated in place), the batch split along 'data', the metrics replicated."""
-  return jax.jit(make_train_step(model, optimizer, config),
-                 in_shardings=(shardings, NamedSharding(mesh, P('data'))),
-                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
 def make_eval_step(model) -> Callable[[Any, Batch], dict]:

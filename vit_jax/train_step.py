@@ -1,0 +1,142 @@
+"""The update step of training: train state, optimiser, loss, and the sharded `jax.jit` step.
+
+Imports neither TensorFlow nor clu, so that benchmarks (vit_jax.inference_time --train,
+benchmarks/gpu.py) run where only jax, flax, optax and ml_collections are installed;
+vit_jax.train builds the training loop around it.
+"""
+from typing import Any, Callable, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+import optax
+
+from vit_jax import sharding
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a resumed run needs besides the data order: step, params, optimiser, rng."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # A raw uint32 PRNG key; dropout keys are folded in from it per step.
+
+
+class Optimizer(NamedTuple):
+  """An optax GradientTransformation (`init`, `update`) and the learning-rate schedule it
+  follows (logged by the step)."""
+  init: optax.TransformInitFn
+  update: optax.TransformUpdateFn
+  schedule: optax.Schedule
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup from 0 to `base_lr` over `warmup_steps`, then cosine or linear to `min_lr`."""
+  warmup = optax.linear_schedule(0.0, config.base_lr, config.warmup_steps)
+  decay_steps = max(config.total_steps - config.warmup_steps, 1)
+  if config.decay_type == 'cosine':
+    decay = optax.cosine_decay_schedule(config.base_lr, decay_steps,
+                                        alpha=config.min_lr / config.base_lr)
+  else:
+    decay = optax.linear_schedule(config.base_lr, config.min_lr, decay_steps)
+  return optax.join_schedules([warmup, decay], [config.warmup_steps])
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> Optimizer:
+  """Global-norm clipping, then momentum SGD (bfloat16 accumulator) or AdamW on kernels, on
+  the schedule of `learning_rate_schedule`."""
+  schedule = learning_rate_schedule(config)
+  if config.optimizer == 'sgd':
+    update = optax.sgd(schedule, momentum=config.momentum, accumulator_dtype=jnp.bfloat16)
+  else:
+    decay_kernels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key == 'kernel', params)
+    update = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay,
+                         mask=decay_kernels)
+  chain = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update)
+  return Optimizer(chain.init, chain.update, schedule)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
+  """Per-example softmax cross-entropy: logits (B, C), int labels (B,) -> (B,)."""
+  targets = jax.nn.one_hot(labels, logits.shape[-1])
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
+                       params: Any = None) -> tuple[TrainState, TrainState]:
+  """(state, its shardings), initialised on the devices; `params` replaces the fresh ones (they
+  enter the jitted init as arguments, not as constants compiled into it)."""
+  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+
+  def init(rng, params):
+    if params is None:
+      params = model.init(rng, images, train=False)['params']
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1))
+
+  rng = jax.random.PRNGKey(config.seed)
+  shardings = sharding.state_shardings(jax.eval_shape(init, rng, params), mesh,
+                                       config.sharding, config.logical_axis_rules)
+  return jax.jit(init, out_shardings=shardings)(rng, params), shardings
+
+
+def microbatches(batch: Batch, accum_steps: int) -> Batch:
+  """(B, ...) -> (accum_steps, B / accum_steps, ...); each micro-batch takes from every device."""
+  return jax.tree.map(
+      lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
+      batch)
+
+
+def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState, Batch], tuple]:
+  """update(state, batch) -> (state, metrics): forward, backward, optimiser; not yet jitted."""
+
+  def loss_fn(params, images, labels, rng):
+    logits = model.apply({'params': params}, images, train=True, rngs={'dropout': rng})
+    return jnp.mean(cross_entropy(logits, labels, config.label_smoothing))
+
+  def loss_and_grads(params, batch, rng):
+    if config.accum_steps == 1:
+      return jax.value_and_grad(loss_fn)(params, batch['image'], batch['label'], rng)
+
+    def accumulate(carry, micro):
+      index, micro_batch = micro
+      loss, grads = jax.value_and_grad(loss_fn)(
+          params, micro_batch['image'], micro_batch['label'], jax.random.fold_in(rng, index))
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    micro = (jnp.arange(config.accum_steps), microbatches(batch, config.accum_steps))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    return jax.tree.map(lambda x: x / config.accum_steps, (loss, grads))
+
+  def train_step(state: TrainState, batch: Batch):
+    rng = jax.random.fold_in(state.rng, state.step)
+    loss, grads = loss_and_grads(state.params, batch, rng)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = state.replace(step=state.step + 1, opt_state=opt_state,
+                              params=optax.apply_updates(state.params, updates))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step leaves params and optimiser state as they were (the loop then stops).
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    metrics = {'train_loss': loss, 'grad_norm': grad_norm,
+               'learning_rate': optimizer.schedule(state.step), 'finite': finite}
+    return new_state, metrics
+
+  return train_step
+
+
+def jit_train_step(model, optimizer: Optimizer, config, mesh: Mesh, shardings):
+  """`make_train_step` jitted over `mesh`: the state laid out as `shardings` and donated (it is
+  updated in place), the batch split along 'data', the metrics replicated."""
+  return jax.jit(make_train_step(model, optimizer, config),
+                 in_shardings=(shardings, NamedSharding(mesh, P('data'))),
+                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
