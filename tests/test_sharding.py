@@ -21,17 +21,14 @@ def config_for(strategy, mesh_model=1):
   return config
 
 
-def abstract_state(config, mesh):
-  model = train.build_model(config, num_classes=10)
-  optimizer = train.make_optimizer(config)
-  return jax.eval_shape(lambda: train.create_train_state(config, model, optimizer, mesh, 28)[0])
-
-
 def specs_of(strategy, mesh_model=1):
   config = config_for(strategy, mesh_model)
   mesh = train.make_mesh(config)
-  state = abstract_state(config, mesh)
-  shardings = sharding.state_shardings(state, mesh, strategy, config.logical_axis_rules)
+  model = train.build_model(config, num_classes=10)
+  optimizer = train.make_optimizer(config)
+  state = jax.eval_shape(lambda: train.create_train_state(config, model, optimizer, mesh, 28)[0])
+  shardings = sharding.state_shardings(state, sharding.param_axes(model, 28), mesh, strategy,
+                                       config.logical_axis_rules)
   return jax.tree.map(lambda s: s.spec, shardings.params), shardings
 
 
@@ -72,7 +69,7 @@ def test_fsdp_and_tensor_combine_on_a_2d_mesh():
 
 def test_unknown_strategy_is_a_clear_error():
   with pytest.raises(ValueError, match=r"config.sharding='zero3' is not one of \('data', 'fsdp'"):
-    sharding.state_shardings({}, train.make_mesh(config_for('data')), 'zero3')
+    sharding.state_shardings({}, {}, train.make_mesh(config_for('data')), 'zero3')
 
 
 @functools.cache

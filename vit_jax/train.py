@@ -176,8 +176,9 @@ def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
                       opt_state=optimizer.init(new_params), rng=jax.random.fold_in(rng, 1))
 
   rng = jax.random.PRNGKey(config.seed)
-  shardings = sharding.state_shardings(jax.eval_shape(init, rng), mesh, config.sharding,
-                                       config.logical_axis_rules)
+  shardings = sharding.state_shardings(
+      jax.eval_shape(init, rng), sharding.param_axes(model, image_size), mesh, config.sharding,
+      config.logical_axis_rules)
   return jax.jit(init, out_shardings=shardings)(rng), shardings
 
 
@@ -240,8 +241,11 @@ def make_train_step(model, optimizer, config) -> Callable[[TrainState, Batch], t
 
 def jit_train_step(model, optimizer, config, mesh: Mesh, shardings):
   """`make_train_step` jitted over `mesh`: the state laid out as `shardings` and donated (it is
-  updated in place), the batch split along 'data', the metrics replicated."""
-  return jax.jit(make_train_step(model, optimizer, config),
+  updated in place), the batch split along 'data', the metrics replicated, the activations
+  constrained by `config.logical_axis_rules` and sharding.LOGICAL_AXIS_RULES."""
+  step = sharding.with_rules(make_train_step(model, optimizer, config), mesh,
+                             config.logical_axis_rules)
+  return jax.jit(step,
                  in_shardings=(shardings, NamedSharding(mesh, P('data'))),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
