@@ -73,21 +73,26 @@ def path_names(path) -> tuple[str, ...]:
   return tuple(names)
 
 
-def param_axes(model: nn.Module, image_size: int) -> dict[tuple[str, ...], LogicalNames]:
-  """{parameter path: its declared logical names} of `model` on square `image_size` images.
-
-  Raises a ValueError naming the first parameter made without `with_axes`.
-  """
+def declared_params(model: nn.Module, image_size: int):
+  """`model`'s parameters on square `image_size` images as ShapeDtypeStructs, each one that
+  was made with `with_axes` in an `nn.LogicallyPartitioned` box holding its logical names."""
   images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
   token = _DECLARING.set(True)
   try:
-    boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False),
-                           images)['params']
+    return jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False),
+                          images)['params']
   finally:
     _DECLARING.reset(token)
+
+
+def param_axes(declared) -> dict[tuple[str, ...], LogicalNames]:
+  """{parameter path: its logical names} of the `declared_params` tree `declared`.
+
+  Raises a ValueError naming the first parameter made without `with_axes`.
+  """
   is_box = lambda leaf: isinstance(leaf, nn.LogicallyPartitioned)
   axes = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(declared, is_leaf=is_box)[0]:
     if not is_box(leaf):
       raise ValueError(f'Parameter {"/".join(path_names(path))} declares no logical axes: '
                        'make it with an initializer wrapped in vit_jax.sharding.with_axes.')

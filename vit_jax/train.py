@@ -177,8 +177,8 @@ def create_train_state(config, model, optimizer, mesh: Mesh, image_size: int,
 
   rng = jax.random.PRNGKey(config.seed)
   shardings = sharding.state_shardings(
-      jax.eval_shape(init, rng), sharding.param_axes(model, image_size), mesh, config.sharding,
-      config.logical_axis_rules)
+      jax.eval_shape(init, rng), sharding.param_axes(sharding.declared_params(model, image_size)),
+      mesh, config.sharding, config.logical_axis_rules)
   return jax.jit(init, out_shardings=shardings)(rng), shardings
 
 
