@@ -55,9 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Devices: a ('data', 'model') mesh; data=-1 takes all devices the model axis leaves.
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
   # Layout of params and optimiser state: 'data', 'fsdp', 'tensor' or 'fsdp+tensor' (see
-  # vit_jax/sharding.py); `tensor` maps these logical axes to mesh axes.
+  # vit_jax/sharding.py). Rules (logical axis, 'data' | 'model' | None) placed here take
+  # precedence over vit_jax.sharding.LOGICAL_AXIS_RULES, e.g. [('mlp', None)].
   config.sharding = 'data'
-  config.logical_axis_rules = [('heads', 'model'), ('mlp', 'model')]
+  config.logical_axis_rules = []
 
   # Logging and checkpoints.
   config.progress_every = 50

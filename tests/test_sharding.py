@@ -165,3 +165,24 @@ def test_a_logical_axis_without_a_rule_is_an_error():
                      r"no rule names: add \('vocab', MESH_AXIS or None\)"):
     sharding.state_shardings({}, axes, mesh, 'fsdp')
   sharding.state_shardings({}, axes, mesh, 'fsdp', rules=[('vocab', None)])
+
+
+def test_a_malformed_rule_is_an_error():
+  mesh = Mesh(np.array(jax.devices()), ('data',))
+  with pytest.raises(ValueError, match=r"^config.logical_axis_rules has \('mlp', 'tensor'\); "):
+    sharding.state_shardings({}, {}, mesh, 'tensor', rules=[('mlp', 'tensor')])
+
+
+def test_a_rule_in_the_config_takes_precedence():
+  """('mlp', None) keeps the MLP's hidden dimension whole under `tensor`, heads still split."""
+  config = config_for('tensor', mesh_model=2)
+  config.logical_axis_rules = [('mlp', None)]
+  mesh = train.make_mesh(config)
+  model = train.build_model(config, num_classes=10)
+  declared = sharding.declared_params(model, 28)
+  specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
+      nn.meta.unbox(declared), sharding.param_axes(declared), mesh, 'tensor',
+      config.logical_axis_rules))
+  block = specs['Transformer']['encoderblock_0']
+  assert block['MlpBlock_0']['Dense_0']['kernel'] == P()
+  assert block['MultiHeadDotProductAttention_0']['query']['kernel'] == P(None, 'model')

@@ -142,8 +142,14 @@ def leaf_names(path: tuple[str, ...], shape: tuple[int, ...],
 
 
 def full_rules(rules: Sequence[tuple] = ()) -> tuple[tuple, ...]:
-  """`rules` (config.logical_axis_rules) ahead of LOGICAL_AXIS_RULES."""
-  return tuple(tuple(rule) for rule in rules) + LOGICAL_AXIS_RULES
+  """`rules` (config.logical_axis_rules) ahead of LOGICAL_AXIS_RULES; a ValueError names a
+  rule that is not a (logical axis, mesh axis or None) pair."""
+  rules = tuple(tuple(rule) for rule in rules)
+  for rule in rules:
+    if len(rule) != 2 or not isinstance(rule[0], str) or rule[1] not in ('data', 'model', None):
+      raise ValueError(f'config.logical_axis_rules has {rule!r}; each rule is a pair '
+                       "(logical axis, 'data' | 'model' | None), e.g. ('mlp', None).")
+  return rules + LOGICAL_AXIS_RULES
 
 
 def state_shardings(abstract_state, axes: dict[tuple[str, ...], LogicalNames], mesh: Mesh,
