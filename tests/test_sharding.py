@@ -186,3 +186,21 @@ def test_a_rule_in_the_config_takes_precedence():
   block = specs['Transformer']['encoderblock_0']
   assert block['MlpBlock_0']['Dense_0']['kernel'] == P()
   assert block['MultiHeadDotProductAttention_0']['query']['kernel'] == P(None, 'model')
+
+
+def test_the_train_step_constrains_activations_between_blocks_and_nothing_else_does():
+  config = config_for('tensor', mesh_model=2)
+  mesh = train.make_mesh(config)
+  model = train.build_model(config, num_classes=10)
+  optimizer = train.make_optimizer(config)
+  state = jax.eval_shape(lambda: train.create_train_state(config, model, optimizer, mesh, 28)[0])
+  axes = sharding.param_axes(sharding.declared_params(model, 28))
+  shardings = sharding.state_shardings(state, axes, mesh, 'tensor', config.logical_axis_rules)
+  batch = {'image': jax.ShapeDtypeStruct((config.batch, 28, 28, 3), np.float32),
+           'label': jax.ShapeDtypeStruct((config.batch,), np.int32)}
+  step = train.jit_train_step(model, optimizer, config, mesh, shardings)
+  text = step.lower(state, batch).as_text()
+  # The encoder's input and each of its 2 blocks' outputs: batch over 'data', in the forward pass.
+  assert text.count('sharding_constraint') >= 3
+  assert 'sharding_constraint' not in jax.jit(train.make_eval_step(model)).lower(
+      state.params, dict(batch, mask=batch['label'])).as_text()
