@@ -9,6 +9,8 @@ The parameter tree is the one of the published checkpoints:
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
 `conv_root`, `gn_root`, `block{i}/unit{j}/...`. With `scan_layers=True` the blocks are instead
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
+Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
+'mlp' M, ...) for vit_jax.sharding's rules; parameter trees stay plain arrays.
 """
 import math
 from typing import Any, Callable, Optional, Sequence
