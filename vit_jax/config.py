@@ -67,7 +67,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   # vit_jax/sharding.py).
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
   config.sharding = 'data'
-  config.logical_axis_rules = [('heads', 'model'), ('mlp', 'model')]
+  config.logical_axis_rules = []
 
   # Logging and checkpoints.
   config.progress_every = 50
@@ -136,7 +136,8 @@ FIELD_HELP = {
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
                 "'fsdp+tensor'.",
-    'logical_axis_rules': "(logical axis, mesh axis) pairs of 'tensor' sharding.",
+    'logical_axis_rules': "(logical axis, 'data' | 'model' | None) rules placed before "
+                          "vit_jax.sharding.LOGICAL_AXIS_RULES, e.g. [('mlp', None)].",
     'progress_every': 'Log the loss and speed every this many steps.',
     'eval_every': 'Evaluate on the test split every this many steps, and at the end.',
     'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',

@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vit_jax.sharding import with_axes
+
 Dtype = Any
 
 
@@ -25,6 +27,19 @@ class StdConv(nn.Conv):
     return standardize_weight(value) if name == 'kernel' else value
 
 
+def _conv(features: int, kernel_size, strides, dtype, name: str) -> StdConv:
+  """A bias-free StdConv whose (kh, kw, cin, cout) kernel declares its logical axes."""
+  return StdConv(features, kernel_size, strides, use_bias=False, dtype=dtype, name=name,
+                 kernel_init=with_axes(nn.initializers.lecun_normal(), 'conv_height', 'conv_width',
+                                       'conv_in', 'conv_out'))
+
+
+def _group_norm(dtype, name: str, scale_init=nn.initializers.ones) -> nn.GroupNorm:
+  """GroupNorm (32 groups) whose per-channel scale and bias declare their logical axis."""
+  return nn.GroupNorm(dtype=dtype, name=name, scale_init=with_axes(scale_init, 'conv_out'),
+                      bias_init=with_axes(nn.initializers.zeros, 'conv_out'))
+
+
 class ResidualUnit(nn.Module):
   """Pre-activation-free bottleneck unit of BiT's ResNet-v2: (N,H,W,C) -> (N,H/s,W/s,4*features)."""
   features: int
@@ -33,9 +48,8 @@ class ResidualUnit(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    conv = lambda feat, kernel, name, strides=(1, 1): StdConv(
-        feat, kernel, strides, use_bias=False, dtype=self.dtype, name=name)
-    norm = lambda name, **kw: nn.GroupNorm(dtype=self.dtype, name=name, **kw)
+    conv = lambda feat, kernel, name, strides=(1, 1): _conv(feat, kernel, strides, self.dtype, name)
+    norm = lambda name, scale_init=nn.initializers.ones: _group_norm(self.dtype, name, scale_init)
 
     residual = x
     if x.shape[-1] != 4 * self.features or self.strides != (1, 1):
@@ -44,7 +58,7 @@ class ResidualUnit(nn.Module):
 
     y = nn.relu(norm('gn1')(conv(self.features, (1, 1), 'conv1')(x)))
     y = nn.relu(norm('gn2')(conv(self.features, (3, 3), 'conv2', self.strides)(y)))
-    y = norm('gn3', scale_init=nn.initializers.zeros)(conv(4 * self.features, (1, 1), 'conv3')(y))
+    y = norm('gn3', nn.initializers.zeros)(conv(4 * self.features, (1, 1), 'conv3')(y))
     return nn.relu(residual + y)
 
 
@@ -79,8 +93,8 @@ def resnet_stem(x, num_layers: Sequence[int], width_factor: float = 1,
   s = stem_stride(num_layers).
   """
   width = int(64 * width_factor)
-  x = StdConv(width, (7, 7), (2, 2), use_bias=False, dtype=dtype, name='conv_root')(x)
-  x = nn.relu(nn.GroupNorm(dtype=dtype, name='gn_root')(x))
+  x = _conv(width, (7, 7), (2, 2), dtype, 'conv_root')(x)
+  x = nn.relu(_group_norm(dtype, 'gn_root')(x))
   x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding='SAME')
   for i, num_units in enumerate(num_layers):
     first_strides = (1, 1) if i == 0 else (2, 2)

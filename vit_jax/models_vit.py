@@ -9,6 +9,8 @@ The parameter tree is the one of the published checkpoints:
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
 `conv_root`, `gn_root`, `block{i}/unit{j}/...`. With `scan_layers=True` the blocks are instead
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
+Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
+'mlp' M, ...) for vit_jax.sharding's rules; parameter trees stay plain arrays.
 """
 import math
 from typing import Any, Callable, Optional, Sequence
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax import models_resnet
+from vit_jax.sharding import with_axes
 
 Dtype = Any
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
@@ -29,10 +32,13 @@ ATTENTION_KERNELS = ('xla', 'cudnn')
 # Training pads the tokens to a multiple of this for cuDNN's fused attention, whose gradient
 # (jax 0.10.2) rejects odd sequence lengths such as 197 (a class token and 14x14 patches).
 CUDNN_TRAIN_SEQ_MULTIPLE = 16
+TOKENS = ('batch', 'seq', 'embed')  # Logical axes of the (B, T, D) activations between blocks.
 
 
 def _layer_norm(dtype, name=None):
-  return nn.LayerNorm(epsilon=LAYERNORM_EPS, dtype=dtype, name=name)
+  return nn.LayerNorm(epsilon=LAYERNORM_EPS, dtype=dtype, name=name,
+                      scale_init=with_axes(nn.initializers.ones, 'embed'),
+                      bias_init=with_axes(nn.initializers.zeros, 'embed'))
 
 
 class PatchEmbedding(nn.Module):
@@ -49,8 +55,10 @@ class PatchEmbedding(nn.Module):
   def __call__(self, x):
     b, h, w, c = x.shape
     ph, pw = self.patch_size
-    kernel = self.param('kernel', nn.initializers.lecun_normal(), (ph, pw, c, self.hidden_size))
-    bias = self.param('bias', nn.initializers.zeros, (self.hidden_size,))
+    kernel = self.param(
+        'kernel', with_axes(nn.initializers.lecun_normal(), 'conv_height', 'conv_width', 'conv_in',
+                            'embed'), (ph, pw, c, self.hidden_size))
+    bias = self.param('bias', with_axes(nn.initializers.zeros, 'embed'), (self.hidden_size,))
     patches = x.reshape(b, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 2, 4, 5)
     patches = patches.reshape(b, h // ph, w // pw, ph * pw * c).astype(self.dtype)
     kernel = kernel.reshape(ph * pw * c, self.hidden_size).astype(self.dtype)
@@ -72,7 +80,8 @@ class AddPositionEmbs(nn.Module):
             f'(Transformer/posembed_input/pos_embedding) have shape {tuple(found)}, '
             f'not {expected}. Resize the images to the resolution the model was built for, '
             'or resize the position embeddings (vit_jax.checkpoint.load_pretrained does it).')
-    posemb = self.param('pos_embedding', self.posemb_init, expected)
+    posemb = self.param('pos_embedding', with_axes(self.posemb_init, None, 'seq', 'embed'),
+                        expected)
     return x + posemb.astype(x.dtype)
 
 
@@ -85,12 +94,12 @@ class MlpBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, deterministic):
-    dense = lambda features: nn.Dense(
-        features, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6))
-    y = nn.gelu(dense(self.mlp_dim)(x), approximate=self.approximate_gelu)
+    dense = lambda features, axes: nn.Dense(
+        features, dtype=self.dtype, kernel_init=with_axes(nn.initializers.xavier_uniform(), *axes),
+        bias_init=with_axes(nn.initializers.normal(stddev=1e-6), axes[1]))
+    y = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'))(x), approximate=self.approximate_gelu)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    y = dense(x.shape[-1])(y)
+    y = dense(x.shape[-1], ('mlp', 'embed'))(y)
     return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
 
@@ -99,17 +108,22 @@ class DenseGeneralParams(nn.Module):
 
   Lets the attention keep its kernels under their published names and still choose the
   products (and their output layouts) itself. The kernel is Xavier-uniform initialised over its
-  flattened (inputs, outputs) shape, as DenseGeneral does.
+  flattened (inputs, outputs) shape, as DenseGeneral does. `in_axes` and `out_axes` are the
+  logical names of the input and output dimensions.
   """
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
+  in_axes: tuple[str, ...]
+  out_axes: tuple[str, ...]
 
   @nn.compact
   def __call__(self):
     flat_shape = (math.prod(self.in_shape), math.prod(self.out_shape))
     init = lambda key, shape: nn.initializers.xavier_uniform()(key, flat_shape).reshape(shape)
-    kernel = self.param('kernel', init, self.in_shape + self.out_shape)
-    return kernel, self.param('bias', nn.initializers.zeros, self.out_shape)
+    kernel = self.param('kernel', with_axes(init, *self.in_axes, *self.out_axes),
+                        self.in_shape + self.out_shape)
+    return kernel, self.param('bias', with_axes(nn.initializers.zeros, *self.out_axes),
+                              self.out_shape)
 
 
 def resolve_attention(attention: str, devices) -> str:
@@ -170,7 +184,8 @@ class MultiHeadDotProductAttention(nn.Module):
     x = x.astype(self.dtype)
 
     def project(name):
-      kernel, bias = DenseGeneralParams((d,), (n, k), name=name)()
+      kernel, bias = DenseGeneralParams((d,), (n, k), ('embed',), ('heads', 'head_dim'),
+                                        name=name)()
       return (jnp.einsum('btd,dnk->bntk', x, kernel.astype(self.dtype))
               + bias.astype(self.dtype)[:, None])
 
@@ -188,7 +203,8 @@ class MultiHeadDotProductAttention(nn.Module):
     else:
       y = padded_attention(q, key, value, 1 if deterministic else CUDNN_TRAIN_SEQ_MULTIPLE)
 
-    out_kernel, out_bias = DenseGeneralParams((n, k), (d,), name='out')()
+    out_kernel, out_bias = DenseGeneralParams((n, k), (d,), ('heads', 'head_dim'), ('embed',),
+                                              name='out')()
     return jnp.einsum('bnqk,nkd->bqd', y, out_kernel.astype(self.dtype)) + out_bias.astype(
         self.dtype)
 
@@ -215,7 +231,7 @@ class Encoder1DBlock(nn.Module):
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
                  approximate_gelu=self.approximate_gelu, dtype=self.dtype)(
                      y, deterministic=deterministic)
-    return x + y
+    return nn.with_logical_constraint(x + y, TOKENS)
 
 
 class _ScanStep(Encoder1DBlock):
@@ -268,7 +284,8 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, x, *, train):
     x = AddPositionEmbs(name='posembed_input')(x)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = nn.with_logical_constraint(nn.Dropout(self.dropout_rate)(x, deterministic=not train),
+                                   TOKENS)
     block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,
                         dropout_rate=self.dropout_rate,
                         attention_dropout_rate=self.attention_dropout_rate,
@@ -277,7 +294,7 @@ class Encoder(nn.Module):
     if self.scan_layers:
       blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
                        split_rngs={'params': True, 'dropout': True}, in_axes=nn.broadcast,
-                       length=self.num_layers)
+                       length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
       x, _ = blocks(**block_fields, name='encoderblock')(x, not train)
     else:
       block = self.remat(Encoder1DBlock)
@@ -368,7 +385,7 @@ class VisionTransformer(nn.Module):
     x = x.reshape(b, h * w, d)
 
     if self.has_class_token:
-      cls = self.param('cls', nn.initializers.zeros, (1, 1, d))
+      cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
       x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d)), x], axis=1)
 
     x = Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
@@ -384,9 +401,15 @@ class VisionTransformer(nn.Module):
     elif self.classifier == 'gap':
       x = jnp.mean(x, axis=1)
 
+    features = 'embed'
     if self.representation_size is not None:
-      x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits')(x))
+      x = jnp.tanh(nn.Dense(
+          self.representation_size, dtype=self.dtype, name='pre_logits',
+          kernel_init=with_axes(nn.initializers.lecun_normal(), 'embed', 'repr'),
+          bias_init=with_axes(nn.initializers.zeros, 'repr'))(x))
+      features = 'repr'
     logits = nn.Dense(self.num_classes, dtype=self.dtype, name='head',
-                      kernel_init=nn.initializers.zeros,
-                      bias_init=nn.initializers.constant(self.head_bias_init))(x)
+                      kernel_init=with_axes(nn.initializers.zeros, features, 'classes'),
+                      bias_init=with_axes(nn.initializers.constant(self.head_bias_init),
+                                          'classes'))(x)
     return logits.astype(jnp.float32)

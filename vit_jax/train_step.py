@@ -83,8 +83,10 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
                       opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1))
 
   rng = jax.random.PRNGKey(config.seed)
-  shardings = sharding.state_shardings(jax.eval_shape(init, rng, params), mesh,
-                                       config.sharding, config.logical_axis_rules)
+  shardings = sharding.state_shardings(
+      jax.eval_shape(init, rng, params),
+      sharding.param_axes(sharding.declared_params(model, image_size)), mesh, config.sharding,
+      config.logical_axis_rules)
   return jax.jit(init, out_shardings=shardings)(rng, params), shardings
 
 
@@ -136,7 +138,10 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
 
 def jit_train_step(model, optimizer: Optimizer, config, mesh: Mesh, shardings):
   """`make_train_step` jitted over `mesh`: the state laid out as `shardings` and donated (it is
-  updated in place), the batch split along 'data', the metrics replicated."""
-  return jax.jit(make_train_step(model, optimizer, config),
+  updated in place), the batch split along 'data', the metrics replicated, the activations
+  constrained by `config.logical_axis_rules` and sharding.LOGICAL_AXIS_RULES."""
+  step = sharding.with_rules(make_train_step(model, optimizer, config), mesh,
+                             config.logical_axis_rules)
+  return jax.jit(step,
                  in_shardings=(shardings, NamedSharding(mesh, P('data'))),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
