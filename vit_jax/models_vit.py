@@ -298,8 +298,19 @@ class VisionTransformer(nn.Module):
     """Input pixels per position of the map that is cut into patches (1 without a stem)."""
     return 1 if self.resnet_layers is None else models_resnet.stem_stride(self.resnet_layers)
 
+  def features(self, images, *, train=False):
+    """The representation the head sees, as float32: (B, representation_size or hidden_size).
+
+    The encoder-norm output of the class token (`token`) or the mean of the tokens (`gap`), through
+    `pre_logits` when the model has one; per token, (B, T, ...), for the unpooled classifiers.
+    Call it as `model.apply({'params': params}, images, method='features')`: the head's parameters
+    go unused, so a model with any number of classes gives the same features.
+    """
+    return self(images, train=train, head=False)
+
   @nn.compact
-  def __call__(self, images, *, train):
+  def __call__(self, images, *, train, head=True):
+    """Logits, or with `head=False` the `features` they are computed from."""
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
@@ -323,6 +334,8 @@ class VisionTransformer(nn.Module):
 
     if self.representation_size is not None:
       x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits')(x))
+    if not head:
+      return x.astype(jnp.float32)
     logits = nn.Dense(self.num_classes, dtype=self.dtype, name='head',
                       kernel_init=nn.initializers.zeros,
                       bias_init=nn.initializers.constant(self.head_bias_init))(x)
