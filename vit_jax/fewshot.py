@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import input_pipeline_sources as sources
 from vit_jax import visualize
@@ -149,7 +150,11 @@ def choose_shots(labels: np.ndarray, num_classes: int, shots: int, holdout: int,
 def split_labels(config, split: str) -> np.ndarray:
   """int64 (N,): the labels of `split` of config.dataset in stored order, images undecoded."""
   shard = sources.get_source(config).shard(split, 0, 1)
-  labels = shard.epoch(None).map(lambda record: record['label']).batch(65536)
+
+  def label(record):
+    return record['label']
+
+  labels = shard.epoch(None).map(label).batch(65536)
   return np.concatenate(list(labels.as_numpy_iterator()))
 
 
@@ -160,9 +165,17 @@ def selected_batches(config, split: str, positions: np.ndarray) -> Iterator[np.n
   wanted = np.zeros(shard.num_examples, bool)
   wanted[positions] = True
   wanted = tf.constant(wanted)
-  images = shard.epoch(None).enumerate().filter(lambda i, _: tf.gather(wanted, i)).map(
-      lambda _, record: input_pipeline.preprocess_eval(shard.decode(record['image']), config.pp),
-      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+  def is_wanted(position, record):
+    del record
+    return tf.gather(wanted, position)
+
+  def preprocess(position, record):
+    del position
+    return input_pipeline.preprocess_eval(shard.decode(record['image']), config.pp)
+
+  images = shard.epoch(None).enumerate().filter(is_wanted).map(
+      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return images.batch(config.batch_eval).prefetch(2).as_numpy_iterator()
 
 
@@ -175,11 +188,12 @@ def feature_function(model, params, mesh: jax.sharding.Mesh):
   return lambda images: apply(params, images)
 
 
-def features_of(features_fn, batches: Iterator[np.ndarray], multiple: int) -> np.ndarray:
-  """Features (N, D) of all the images of `batches`, each padded to a multiple of `multiple`."""
+def features_of(features_fn, batches: Iterator[np.ndarray], batch: int) -> np.ndarray:
+  """Features (N, D) of all the images of `batches`, each padded to `batch` images (one shape
+  to compile)."""
   out = []
   for images in batches:
-    pad = -len(images) % multiple
+    pad = batch - len(images)
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
     out.append(np.asarray(features_fn(padded))[:len(images)])
   return np.concatenate(out)
@@ -221,6 +235,9 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
     'holdout_accuracy': per seed}}, and 'num_test', 'seconds_train_features',
     'seconds_test' (the test pass: features and scores).
   """
+  if model.classifier not in ('token', 'gap'):
+    raise ValueError(f'classifier={model.classifier!r} gives features per token; few-shot '
+                     "evaluation needs one vector per image: a 'token' or 'gap' model.")
   mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   features_fn = feature_function(model, params, mesh)
   labels = split_labels(config, config.train_split)
@@ -230,11 +247,10 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
   start = time.perf_counter()
   positions = np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
   features = features_of(features_fn, selected_batches(config, config.train_split, positions),
-                         mesh.size)
+                         config.batch_eval)
   shift = features.mean(0)  # Keeps float32 sums of x x^T well conditioned.
   features -= shift
-  row = {p: i for i, p in enumerate(positions)}
-  rows = lambda chosen: np.array([row[p] for p in chosen.ravel()])
+  rows = lambda chosen: np.searchsorted(positions, chosen.ravel())  # Positions -> rows.
   seconds_train_features = time.perf_counter() - start
 
   results, classifiers = {}, []
@@ -318,6 +334,7 @@ def parse_shots(text: str) -> list[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Prints the table (and writes --out); returns the exit status, 2 for bad input."""
   args = parse_args(argv)
+  hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   try:
     shots = parse_shots(args.shots)
     if args.batch % jax.device_count():
@@ -339,4 +356,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.keep_freed_host_memory()
   sys.exit(main())
