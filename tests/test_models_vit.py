@@ -242,6 +242,33 @@ def test_scanned_blocks_give_the_same_logits_from_stacked_params():
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('overrides', [
+    dict(classifier='token'), dict(classifier='gap'), dict(representation_size=7),
+    dict(patch_size=(1, 1), resnet_layers=(), resnet_width_factor=0.5)])
+def test_features_are_what_the_head_maps_to_the_logits(overrides):
+  model, images = tiny_vit(**overrides), images_of()
+  params = random_params(model, images)
+  features = model.apply({'params': params}, images, method='features')
+  assert features.shape == (2, overrides.get('representation_size', 12))
+  head = params['head']
+  np.testing.assert_allclose(features @ head['kernel'] + head['bias'],
+                             model.apply({'params': params}, images, train=False),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_features_agree_between_scanned_and_unscanned_blocks_and_under_sharded_jit():
+  images = images_of(batch=8)
+  params = random_params(tiny_vit(), images)
+  features = tiny_vit().apply({'params': params}, images, method='features')
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+  scanned = jax.jit(
+      lambda p, x: tiny_vit(scan_layers=True).apply({'params': p}, x, method='features'),
+      in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))))(
+          checkpoint.scan_blocks(params), images)
+  assert scanned.sharding.spec == P('data')
+  np.testing.assert_allclose(scanned, features, rtol=1e-5, atol=1e-5)
+
+
 def test_scanned_blocks_sow_attention_weights_stacked_over_layers():
   images = images_of()
   params = random_params(tiny_vit(), images)

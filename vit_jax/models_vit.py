@@ -373,8 +373,19 @@ class VisionTransformer(nn.Module):
     ph, pw = self.patch_pixels
     return h // ph, w // pw
 
+  def features(self, images, *, train=False):
+    """The representation the head sees, as float32: (B, representation_size or hidden_size).
+
+    The encoder-norm output of the class token (`token`) or the mean of the tokens (`gap`), through
+    `pre_logits` when the model has one; per token, (B, T, ...), for the unpooled classifiers.
+    Call it as `model.apply({'params': params}, images, method='features')`: the head's parameters
+    go unused, so a model with any number of classes gives the same features.
+    """
+    return self(images, train=train, head=False)
+
   @nn.compact
-  def __call__(self, images, *, train):
+  def __call__(self, images, *, train, head=True):
+    """Logits, or with `head=False` the `features` they are computed from."""
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
@@ -401,15 +412,17 @@ class VisionTransformer(nn.Module):
     elif self.classifier == 'gap':
       x = jnp.mean(x, axis=1)
 
-    features = 'embed'
+    feature_axis = 'embed'
     if self.representation_size is not None:
       x = jnp.tanh(nn.Dense(
           self.representation_size, dtype=self.dtype, name='pre_logits',
           kernel_init=with_axes(nn.initializers.lecun_normal(), 'embed', 'repr'),
           bias_init=with_axes(nn.initializers.zeros, 'repr'))(x))
-      features = 'repr'
+      feature_axis = 'repr'
+    if not head:
+      return x.astype(jnp.float32)
     logits = nn.Dense(self.num_classes, dtype=self.dtype, name='head',
-                      kernel_init=with_axes(nn.initializers.zeros, features, 'classes'),
+                      kernel_init=with_axes(nn.initializers.zeros, feature_axis, 'classes'),
                       bias_init=with_axes(nn.initializers.constant(self.head_bias_init),
                                           'classes'))(x)
     return logits.astype(jnp.float32)
