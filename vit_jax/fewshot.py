@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from vit_jax import checkpoint
+from vit_jax import config as defaults
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import input_pipeline_sources as sources
@@ -281,11 +282,14 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
 
 
 def dataset_config(args: argparse.Namespace, image_size: int) -> ml_collections.ConfigDict:
-  """The settings `evaluate` reads, from the command line and the model's image size."""
-  return ml_collections.ConfigDict(dict(
-      dataset=args.dataset, train_split=args.train_split, test_split=args.test_split,
-      pp=dict(crop=image_size, resize=args.resize), batch_eval=args.batch,
-      tfds_data_dir=args.tfds_data_dir))
+  """The training defaults with the data settings of the command line and the model's image
+  size: what `evaluate` reads."""
+  config = defaults.training_defaults()
+  config.update(dict(dataset=args.dataset, train_split=args.train_split,
+                     test_split=args.test_split, batch_eval=args.batch,
+                     tfds_data_dir=args.tfds_data_dir))
+  config.pp.crop, config.pp.resize = image_size, args.resize
+  return config
 
 
 def table(results: dict, shots: Sequence[int]) -> str:
