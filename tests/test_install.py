@@ -64,6 +64,7 @@ def test_models_import_with_a_decoy_configs_package_ahead_on_the_path(installed)
 def test_main_finds_its_default_config_in_the_package_from_another_folder(installed):
   python, elsewhere, site_packages = installed
   out = run([python, '-c', 'from absl import flags; from vit_jax import main; '
-             'flags.FLAGS(["main"]); print(main.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
+             'main.parse_flags(["main"]); '
+             'print(main.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
             elsewhere, env={'PYTHONPATH': str(elsewhere)})
   assert out.split() == [os.path.join(site_packages, 'vit_jax', 'config.py'), 'ViT-mini_7']
