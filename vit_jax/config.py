@@ -24,6 +24,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.tfds_manual_dir = ml_collections.FieldReference(None, field_type=str)
   config.train_split = 'train'
   config.test_split = 'test'
+  config.val_split = ml_collections.FieldReference(None, field_type=str)  # Minival.
   config.skip_bad_images = False
   config.shuffle_buffer = 50_000
   config.prefetch = 2
@@ -72,6 +73,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Logging and checkpoints.
   config.progress_every = 50
   config.eval_every = 1000
+  config.val_every = ml_collections.FieldReference(None, field_type=int)  # None: eval_every.
   config.checkpoint_every = 1000
   config.keep_checkpoints = 2
   return config
@@ -97,6 +99,8 @@ FIELD_HELP = {
     'tfds_manual_dir': 'Where the manually downloaded files of a tfds dataset are.',
     'train_split': "Split string to train on, e.g. 'train[:98%]'.",
     'test_split': "Split string to evaluate on, e.g. 'test'.",
+    'val_split': "Minival split string evaluated on its own, e.g. 'train[98%:]' (held out of "
+                 'train_split); None: none.',
     'skip_bad_images': 'Image folders: skip (and count) files that do not decode, instead of '
                        'stopping.',
     'shuffle_buffer': 'tfds datasets: records in the shuffle buffer.',
@@ -140,6 +144,8 @@ FIELD_HELP = {
                           "vit_jax.sharding.LOGICAL_AXIS_RULES, e.g. [('mlp', None)].",
     'progress_every': 'Log the loss and speed every this many steps.',
     'eval_every': 'Evaluate on the test split every this many steps, and at the end.',
+    'val_every': 'Evaluate on val_split every this many steps, and at the end; None: '
+                 'eval_every.',
     'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',
     'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints.',
 }

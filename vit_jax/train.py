@@ -120,6 +120,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   if config.mesh.data != -1 and config.mesh.data < 1:
     return (f'config.mesh.data={config.mesh.data} must be -1 (all the devices that '
             'config.mesh.model leaves) or greater than 0.')
+  if config.val_every is not None and config.val_every < 1:
+    return f'config.val_every={config.val_every} must be None (eval_every) or greater than 0.'
   if config.warmup_steps < 0:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
@@ -203,28 +205,53 @@ def init_params(config, model, image_size: int):
 
 
 def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct, loss, count."""
+  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), correct_top5
+  (label among the 5 highest logits; all with fewer than 5 classes), loss, count."""
 
   def eval_step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
     mask = batch['mask'].astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
-    return {'correct': jnp.sum(correct * mask),
-            'loss': jnp.sum(cross_entropy(logits, batch['label']) * mask),
+    labels = batch['label']
+    _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
+    top5_hit = jnp.any(top5 == labels[:, None], axis=-1)
+    return {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
+            'correct_top5': jnp.sum(top5_hit * mask),
+            'loss': jnp.sum(cross_entropy(logits, labels) * mask),
             'count': jnp.sum(mask)}
 
   return eval_step
 
 
-def evaluate(eval_step, params, config, mesh: Mesh) -> dict[str, float]:
-  """Top-1 accuracy and mean loss over the whole test split."""
-  totals = {'correct': 0.0, 'loss': 0.0, 'count': 0.0}
+def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collections.ConfigDict:
+  """`config` whose test_split (what the input pipeline evaluates) is config.{split}_split."""
+  if split == 'test':
+    return config
+  config = config.copy_and_resolve_references()
+  config.test_split = config[f'{split}_split']
+  return config
+
+
+def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
+  """Top-1 and top-5 accuracy and mean loss over the whole of config.{split}_split, as
+  {split}_accuracy, {split}_top5_accuracy and {split}_loss; `split` is 'test' or 'val'."""
+  config = evaluated_on(config, split)
+  totals = {'correct': 0.0, 'correct_top5': 0.0, 'loss': 0.0, 'count': 0.0}
   for batch in input_pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
     totals = {k: totals[k] + v for k, v in sums.items()}
   totals = jax.device_get(totals)
-  return {'test_accuracy': float(totals['correct'] / totals['count']),
-          'test_loss': float(totals['loss'] / totals['count'])}
+  return {f'{split}_accuracy': float(totals['correct'] / totals['count']),
+          f'{split}_top5_accuracy': float(totals['correct_top5'] / totals['count']),
+          f'{split}_loss': float(totals['loss'] / totals['count'])}
+
+
+def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
+  """The splits to evaluate after `step`: 'test' every config.eval_every steps, 'val'
+  (config.val_split, where set) every config.val_every steps; both after the last step."""
+  val_every = config.val_every or config.eval_every
+  due = [split for split, every in (('test', config.eval_every), ('val', val_every))
+         if step % every == 0 or step == config.total_steps]
+  return [split for split in due if split == 'test' or config.val_split]
 
 
 # Checkpoints.
@@ -469,6 +496,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate_config(config, jax.device_count())
   try:
     info = input_pipeline.get_dataset_info(config)
+    if config.val_split:  # The split exists and its images decode.
+      input_pipeline.get_dataset_info(evaluated_on(config, 'val'))
   except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
     raise ConfigError(str(e)) from None
   mesh = make_mesh(config)
@@ -584,12 +613,13 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
                         preemption.signal_name or 'SIGTERM')
         return state, {**last_metrics, 'preempted_at_step': step}
-      if step % config.eval_every == 0 or step == config.total_steps:
+      for split in evaluations_due(config, step):
         eval_start = time.perf_counter()
-        eval_metrics = evaluate(eval_step, state.params, config, mesh)
+        eval_metrics = evaluate(eval_step, state.params, config, mesh, split)
         writer.write_scalars(step, eval_metrics)
-        logging.info('step %d: test accuracy %.4f, test loss %.4f', step,
-                     eval_metrics['test_accuracy'], eval_metrics['test_loss'])
+        logging.info('step %d: %s accuracy %.4f (top-5 %.4f), %s loss %.4f', step, split,
+                     eval_metrics[f'{split}_accuracy'], eval_metrics[f'{split}_top5_accuracy'],
+                     split, eval_metrics[f'{split}_loss'])
         last_metrics.update(eval_metrics)
         timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
   except NonFiniteError as e:
