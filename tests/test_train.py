@@ -1,4 +1,5 @@
 """Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,8 @@ import pytest
 import tiny_config as tiny_config_file
 from vit_jax import analysis
 from vit_jax import checkpoint
+from vit_jax import config as defaults
+from vit_jax import fewshot
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import registry
@@ -117,6 +120,34 @@ def test_val_split_is_evaluated_on_its_own_cadence(tmp_path):
   assert scalars['val_accuracy'][20] < scalars['val_accuracy'][60]  # It learns.
   assert metrics['val_accuracy'] > 0.4 and metrics['test_accuracy'] > 0.4  # Chance is 0.1.
   assert metrics['val_loss'] != metrics['test_loss']  # Other images.
+
+
+def test_fewshot_evaluation_in_training_matches_the_fewshot_command(tmp_path, caplog):
+  config = tiny_config(checkpoint_every=60)
+  config.fewshot.update(datasets=('fashion_mnist_embedded',), shots=(1, 5), every=30,
+                        num_test=500)
+  with caplog.at_level('INFO'):
+    metrics = train.train_and_evaluate(config, str(tmp_path))
+  scalars = read_scalars(str(tmp_path))
+  for k in (1, 5):
+    assert sorted(scalars[f'fewshot/fashion_mnist_embedded_{k}shot']) == [30, 60]
+  assert re.search(r'step 60: few-shot linear accuracy fashion_mnist_embedded_1shot [\d.]+, '
+                   r'fashion_mnist_embedded_5shot [\d.]+ \([\d.]+ s\)', caplog.text)
+  # The command, on the model.npz of the run, with the same shots, seed and test images.
+  out = tmp_path / 'fewshot.json'
+  assert fewshot.main(['--checkpoint', str(tmp_path), '--shots', '5', '--seeds', '1',
+                       '--test_split', 'test[:500]', '--batch', '1000', '--out', str(out)]) == 0
+  command = json.loads(out.read_text())['5']['mean']
+  assert metrics['fewshot/fashion_mnist_embedded_5shot'] == pytest.approx(command, abs=0.004)
+  assert command > 0.4  # Chance is 0.1.
+
+
+def test_only_the_default_run_evaluates_few_shot():
+  from configs import vit  # pylint: disable=g-import-not-at-top
+  assert tuple(defaults.get_config().fewshot.datasets) == ('fashion_mnist_embedded',)
+  assert defaults.get_config().fewshot.every is None  # At the end only.
+  assert not defaults.training_defaults().fewshot.datasets
+  assert not vit.get_config('b16,cifar10').fewshot.datasets
 
 
 def one_step_state(config, mesh):
@@ -270,6 +301,9 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
     (dict(checkpoint_every=0), r'config.checkpoint_every=0 must be greater than 0'),
     (dict(eval_every=0), r'config.eval_every=0 must be greater than 0'),
     (dict(val_every=0), r'config.val_every=0 must be None \(eval_every\) or greater than 0'),
+    (dict(fewshot=dict(datasets=['x'], shots=[0, 5], seeds=1, every=None, num_test=None,
+                       train_split='train', test_split='test')),
+     r'config.fewshot.shots=\(0, 5\) and config.fewshot.seeds=1 must be positive'),
     (dict(progress_every=0), r'config.progress_every=0 must be greater than 0'),
     (dict(accum_steps=0), r'config.accum_steps=0 must be greater than 0'),
     (dict(base_lr=0.0), r'config.base_lr=0.0 must be greater than 0'),

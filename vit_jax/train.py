@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from vit_jax import checkpoint
 from vit_jax import config as defaults
+from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
@@ -122,6 +123,13 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
             'config.mesh.model leaves) or greater than 0.')
   if config.val_every is not None and config.val_every < 1:
     return f'config.val_every={config.val_every} must be None (eval_every) or greater than 0.'
+  for field in ('every', 'num_test'):
+    if config.fewshot[field] is not None and config.fewshot[field] < 1:
+      return f'config.fewshot.{field}={config.fewshot[field]} must be None or greater than 0.'
+  if config.fewshot.datasets and not (config.fewshot.seeds > 0 and config.fewshot.shots and
+                                      min(config.fewshot.shots) > 0):
+    return (f'config.fewshot.shots={tuple(config.fewshot.shots)} and config.fewshot.seeds='
+            f'{config.fewshot.seeds} must be positive, e.g. (5, 10) and 1.')
   if config.warmup_steps < 0:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
@@ -252,6 +260,37 @@ def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
   due = [split for split, every in (('test', config.eval_every), ('val', val_every))
          if step % every == 0 or step == config.total_steps]
   return [split for split in due if split == 'test' or config.val_split]
+
+
+def fewshot_config(config: ml_collections.ConfigDict, dataset: str) -> ml_collections.ConfigDict:
+  """`config` with the dataset and the splits of few-shot evaluation on `dataset`."""
+  config = config.copy_and_resolve_references()
+  config.dataset = dataset
+  config.train_split = config.fewshot.train_split
+  config.test_split = config.fewshot.test_split
+  if config.fewshot.num_test:
+    config.test_split += f'[:{config.fewshot.num_test}]'
+  return config
+
+
+def evaluate_fewshot(model, params, config, mesh: Mesh) -> dict[str, float]:
+  """{'fewshot/<dataset>_<k>shot': linear k-shot accuracy of the frozen features, the mean over
+  config.fewshot.seeds shot choices} for each dataset and k of config.fewshot."""
+  metrics = {}
+  for dataset in config.fewshot.datasets:
+    results = fewshot.evaluate(model, params, fewshot_config(config, dataset),
+                               config.fewshot.shots, range(config.fewshot.seeds),
+                               fewshot.HOLDOUT, mesh)
+    name = os.path.basename(os.path.normpath(dataset))  # Image folders: the folder's name.
+    metrics.update({f'fewshot/{name}_{k}shot': results[k]['mean'] for k in config.fewshot.shots})
+  return metrics
+
+
+def fewshot_due(config: ml_collections.ConfigDict, step: int) -> bool:
+  """Whether few-shot evaluation runs after `step`: every config.fewshot.every steps, and
+  after the last step, where config.fewshot.datasets names any."""
+  every = config.fewshot.every or config.total_steps
+  return bool(config.fewshot.datasets) and (step % every == 0 or step == config.total_steps)
 
 
 # Checkpoints.
@@ -498,12 +537,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     info = input_pipeline.get_dataset_info(config)
     if config.val_split:  # The split exists and its images decode.
       input_pipeline.get_dataset_info(evaluated_on(config, 'val'))
+    for dataset in config.fewshot.datasets:
+      input_pipeline.get_dataset_info(fewshot_config(config, dataset))
   except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
     raise ConfigError(str(e)) from None
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
   model = build_model(config, info.num_classes)
+  if config.fewshot.datasets:
+    try:
+      fewshot.check_model(model)
+    except ValueError as e:
+      raise ConfigError(f'config.fewshot.datasets: {e}') from None
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -558,15 +604,18 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   preemption = PreemptionWatcher()
   try:
     return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops)
+                     preemption, flops_per_image / peak_flops,
+                     functools.partial(evaluate_fewshot, model, config=config, mesh=mesh))
   finally:
     preemption.close()
     writer.flush()
 
 
 def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
-              checkpoints: Checkpoints, preemption, flops_per_image_over_peak):
+              checkpoints: Checkpoints, preemption, flops_per_image_over_peak, fewshot_eval):
   """The step loop, from `state.step` to `config.total_steps` or a preemption.
+
+  `fewshot_eval(params)` returns the few-shot metrics, run where `fewshot_due`.
 
   Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM
   or SIGINT. Each step's checkpoint is started before its evaluation, so a failing evaluation
@@ -622,6 +671,15 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
                      split, eval_metrics[f'{split}_loss'])
         last_metrics.update(eval_metrics)
         timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
+      if fewshot_due(config, step):
+        eval_start = time.perf_counter()
+        fewshot_metrics = fewshot_eval(state.params)
+        writer.write_scalars(step, fewshot_metrics)
+        logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
+            f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
+                     time.perf_counter() - eval_start)
+        last_metrics.update(fewshot_metrics)
+        timer_start += time.perf_counter() - eval_start
   except NonFiniteError as e:
     raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
                          e.step) from None
