@@ -288,7 +288,10 @@ def test_device_counts_that_fit_a_config(overrides, fitting):
      r"config.pretrained_path='/nonexistent/ViT-B_16.npz' does not exist"),
     (dict(optimizer='adam'), r"config.optimizer='adam' is not one of \('sgd', 'adamw'\)"),
     (dict(remat_policy='dots'), r"config.remat_policy='dots' is not one of \(None, 'nothing_"),
-    (dict(val_split='validation'), r"validation"),  # The embedded data has train and test.
+    (dict(val_split='validation'), r"config.val_split='validation': .* not 'validation'"),
+    (dict(fewshot=dict(datasets=['no_such_dataset'], shots=[5], seeds=1, every=None,
+                       num_test=None, train_split='train', test_split='test')),
+     r"config.fewshot.datasets, 'no_such_dataset': config.dataset='no_such_dataset' is neither"),
 ])
 def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
   with pytest.raises(train.ConfigError, match=message) as error:

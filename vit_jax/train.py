@@ -526,6 +526,26 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
   return state, train_iter
 
 
+def check_data(config: ml_collections.ConfigDict, prefix: str) -> input_pipeline.DatasetInfo:
+  """The dataset info of `config`; raises ConfigError, its message after `prefix`, where the
+  dataset or a split does not exist or a test image does not decode."""
+  try:
+    return input_pipeline.get_dataset_info(config)
+  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
+    raise ConfigError(f'{prefix}{e}') from None
+
+
+def check_fewshot_model(model) -> None:
+  """Raises ConfigError where config.fewshot cannot evaluate `model` in this run."""
+  try:
+    fewshot.check_model(model)
+  except ValueError as e:
+    raise ConfigError(f'config.fewshot.datasets: {e}') from None
+  if jax.process_count() > 1:
+    raise ConfigError('config.fewshot.datasets: few-shot evaluation runs in a single process; '
+                      'set it to () and run python -m vit_jax.fewshot on the model.npz.')
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
@@ -533,23 +553,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
   """
   validate_config(config, jax.device_count())
-  try:
-    info = input_pipeline.get_dataset_info(config)
-    if config.val_split:  # The split exists and its images decode.
-      input_pipeline.get_dataset_info(evaluated_on(config, 'val'))
-    for dataset in config.fewshot.datasets:
-      input_pipeline.get_dataset_info(fewshot_config(config, dataset))
-  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
-    raise ConfigError(str(e)) from None
+  info = check_data(config, '')
+  if config.val_split:
+    check_data(evaluated_on(config, 'val'), f'config.val_split={config.val_split!r}: ')
+  for dataset in config.fewshot.datasets:
+    check_data(fewshot_config(config, dataset), f'config.fewshot.datasets, {dataset!r}: ')
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
   model = build_model(config, info.num_classes)
   if config.fewshot.datasets:
-    try:
-      fewshot.check_model(model)
-    except ValueError as e:
-      raise ConfigError(f'config.fewshot.datasets: {e}') from None
+    check_fewshot_model(model)
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
