@@ -138,8 +138,8 @@ def test_fewshot_evaluation_in_training_matches_the_fewshot_command(tmp_path, ca
   assert fewshot.main(['--checkpoint', str(tmp_path), '--shots', '5', '--seeds', '1',
                        '--test_split', 'test[:500]', '--batch', '1000', '--out', str(out)]) == 0
   command = json.loads(out.read_text())['5']['mean']
-  # Not exact: the model the command rebuilds from the spec rounds its features differently, and
-  # 50 rows of 32 features at a small L2 can move the holdout's choice of L2 (seen: 0.438, 0.450).
+  # Not exact: the command's program (its own mesh) rounds the features differently, and one
+  # held-out image that flips moves the choice of L2 (seen: L2 0.25 and 1, accuracy 0.438, 0.450).
   assert metrics['fewshot/fashion_mnist_embedded_5shot'] == pytest.approx(command, abs=0.03)
   assert command > 0.4  # Chance is 0.1.
 
