@@ -21,22 +21,23 @@ MODELS = {
 
 # Fine-tuning presets of the paper's transfer experiments (Appendix B.1.1), at 384 px.
 DATASETS = {
-    'cifar10': dict(train_split='train[:98%]', test_split='test', total_steps=10_000,
-                    crop=384, resize=None, flip=True),
-    'cifar100': dict(train_split='train[:98%]', test_split='test', total_steps=10_000,
-                     crop=384, resize=None, flip=True),
-    'imagenet2012': dict(train_split='train[:99%]', test_split='validation',
-                         total_steps=20_000, crop=384, resize=438, flip=True),
-    'oxford_iiit_pet': dict(train_split='train[:90%]', test_split='test', total_steps=500,
-                            crop=384, resize=None, flip=True),
-    'oxford_flowers102': dict(train_split='train', test_split='test', total_steps=500,
-                              crop=384, resize=None, flip=True),
-    'fashion_mnist_embedded': dict(train_split='train', test_split='test', total_steps=2_000,
-                                   crop=224, resize=None, flip=True),
+    'cifar10': dict(train_split='train[:98%]', val_split='train[98%:]', test_split='test',
+                    total_steps=10_000, crop=384, resize=None, flip=True),
+    'cifar100': dict(train_split='train[:98%]', val_split='train[98%:]', test_split='test',
+                     total_steps=10_000, crop=384, resize=None, flip=True),
+    'imagenet2012': dict(train_split='train[:99%]', val_split='train[99%:]',
+                         test_split='validation', total_steps=20_000, crop=384, resize=438,
+                         flip=True),
+    'oxford_iiit_pet': dict(train_split='train[:90%]', val_split='train[90%:]',
+                            test_split='test', total_steps=500, crop=384, resize=None, flip=True),
+    'oxford_flowers102': dict(train_split='train', val_split=None, test_split='test',
+                              total_steps=500, crop=384, resize=None, flip=True),
+    'fashion_mnist_embedded': dict(train_split='train', val_split=None, test_split='test',
+                                   total_steps=2_000, crop=224, resize=None, flip=True),
 }
 # Anything else (a tfds name or an image folder) gets these.
-OTHER_DATASET = dict(train_split='train', test_split='test', total_steps=2_000, crop=384,
-                     resize=None, flip=True)
+OTHER_DATASET = dict(train_split='train', val_split=None, test_split='test', total_steps=2_000,
+                     crop=384, resize=None, flip=True)
 
 
 def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
@@ -47,6 +48,7 @@ def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
   preset = DATASETS.get(dataset, OTHER_DATASET)
   config.dataset = dataset
   config.train_split, config.test_split = preset['train_split'], preset['test_split']
+  config.val_split = preset['val_split']  # Minival: the share of train left out of train_split.
   config.total_steps = preset['total_steps']
   config.pp.crop, config.pp.resize, config.pp.flip = preset['crop'], preset['resize'], preset[
       'flip']

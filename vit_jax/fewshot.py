@@ -37,6 +37,7 @@ from vit_jax import input_pipeline
 from vit_jax import input_pipeline_sources as sources
 
 L2_GRID = tuple(2.0**i for i in range(-6, 14, 2))  # Ridge penalties tried per seed and k.
+HOLDOUT = 10  # Default held-out training images per class that choose the L2.
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -220,6 +221,13 @@ def count_correct(features_fn, classifiers: tuple[jax.Array, jax.Array], config,
 # Evaluation.
 
 
+def check_model(model) -> None:
+  """Raises ValueError unless `model` gives one feature vector per image."""
+  if model.classifier not in ('token', 'gap'):
+    raise ValueError(f'classifier={model.classifier!r} gives features per token; few-shot '
+                     "evaluation needs one vector per image: a 'token' or 'gap' model.")
+
+
 def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
              holdout: int, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
   """Few-shot linear accuracy of `model` on config.dataset, for each k of `shots`.
@@ -236,9 +244,7 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
     'holdout_accuracy': per seed}}, and 'num_test', 'seconds_train_features',
     'seconds_test' (the test pass: features and scores).
   """
-  if model.classifier not in ('token', 'gap'):
-    raise ValueError(f'classifier={model.classifier!r} gives features per token; few-shot '
-                     "evaluation needs one vector per image: a 'token' or 'gap' model.")
+  check_model(model)
   mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   features_fn = feature_function(model, params, mesh)
   labels = split_labels(config, config.train_split)
@@ -282,13 +288,13 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
 
 
 def dataset_config(args: argparse.Namespace, image_size: int) -> ml_collections.ConfigDict:
-  """The training defaults with the data settings of the command line and the model's image
-  size: what `evaluate` reads."""
+  """The training defaults (the data source reads several) with the dataset, splits and
+  preprocessing of the command line and the model's image size."""
   config = defaults.training_defaults()
   config.update(dict(dataset=args.dataset, train_split=args.train_split,
                      test_split=args.test_split, batch_eval=args.batch,
                      tfds_data_dir=args.tfds_data_dir))
-  config.pp.crop, config.pp.resize = image_size, args.resize
+  config.pp.update(dict(crop=image_size, resize=args.resize))
   return config
 
 
@@ -311,7 +317,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help='fashion_mnist_embedded, an image folder or a tfds name.')
   parser.add_argument('--shots', default='1,5,10,25', help='Comma-separated k of k-shot.')
   parser.add_argument('--seeds', type=int, default=5, help='Shot choices averaged over.')
-  parser.add_argument('--holdout', type=int, default=10,
+  parser.add_argument('--holdout', type=int, default=HOLDOUT,
                       help='Training images per class, not among the shots, that choose the L2.')
   parser.add_argument('--train_split', default='train')
   parser.add_argument('--test_split', default='test')

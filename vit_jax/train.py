@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from vit_jax import checkpoint
 from vit_jax import config as defaults
+from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
@@ -120,6 +121,15 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   if config.mesh.data != -1 and config.mesh.data < 1:
     return (f'config.mesh.data={config.mesh.data} must be -1 (all the devices that '
             'config.mesh.model leaves) or greater than 0.')
+  if config.val_every is not None and config.val_every < 1:
+    return f'config.val_every={config.val_every} must be None (eval_every) or greater than 0.'
+  for field in ('every', 'num_test'):
+    if config.fewshot[field] is not None and config.fewshot[field] < 1:
+      return f'config.fewshot.{field}={config.fewshot[field]} must be None or greater than 0.'
+  if config.fewshot.datasets and not (config.fewshot.seeds > 0 and config.fewshot.shots and
+                                      min(config.fewshot.shots) > 0):
+    return (f'config.fewshot.shots={tuple(config.fewshot.shots)} and config.fewshot.seeds='
+            f'{config.fewshot.seeds} must be positive, e.g. (5, 10) and 1.')
   if config.warmup_steps < 0:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
@@ -203,28 +213,84 @@ def init_params(config, model, image_size: int):
 
 
 def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct, loss, count."""
+  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), correct_top5
+  (label among the 5 highest logits; all with fewer than 5 classes), loss, count."""
 
   def eval_step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
     mask = batch['mask'].astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
-    return {'correct': jnp.sum(correct * mask),
-            'loss': jnp.sum(cross_entropy(logits, batch['label']) * mask),
+    labels = batch['label']
+    _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
+    top5_hit = jnp.any(top5 == labels[:, None], axis=-1)
+    return {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
+            'correct_top5': jnp.sum(top5_hit * mask),
+            'loss': jnp.sum(cross_entropy(logits, labels) * mask),
             'count': jnp.sum(mask)}
 
   return eval_step
 
 
-def evaluate(eval_step, params, config, mesh: Mesh) -> dict[str, float]:
-  """Top-1 accuracy and mean loss over the whole test split."""
-  totals = {'correct': 0.0, 'loss': 0.0, 'count': 0.0}
+def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collections.ConfigDict:
+  """`config` whose test_split (what the input pipeline evaluates) is config.{split}_split."""
+  if split == 'test':
+    return config
+  config = config.copy_and_resolve_references()
+  config.test_split = config[f'{split}_split']
+  return config
+
+
+def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
+  """Top-1 and top-5 accuracy and mean loss over the whole of config.{split}_split, as
+  {split}_accuracy, {split}_top5_accuracy and {split}_loss; `split` is 'test' or 'val'."""
+  config = evaluated_on(config, split)
+  totals = {'correct': 0.0, 'correct_top5': 0.0, 'loss': 0.0, 'count': 0.0}
   for batch in input_pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
     totals = {k: totals[k] + v for k, v in sums.items()}
   totals = jax.device_get(totals)
-  return {'test_accuracy': float(totals['correct'] / totals['count']),
-          'test_loss': float(totals['loss'] / totals['count'])}
+  return {f'{split}_accuracy': float(totals['correct'] / totals['count']),
+          f'{split}_top5_accuracy': float(totals['correct_top5'] / totals['count']),
+          f'{split}_loss': float(totals['loss'] / totals['count'])}
+
+
+def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
+  """The splits to evaluate after `step`: 'test' every config.eval_every steps, 'val'
+  (config.val_split, where set) every config.val_every steps; both after the last step."""
+  val_every = config.val_every or config.eval_every
+  due = [split for split, every in (('test', config.eval_every), ('val', val_every))
+         if step % every == 0 or step == config.total_steps]
+  return [split for split in due if split == 'test' or config.val_split]
+
+
+def fewshot_config(config: ml_collections.ConfigDict, dataset: str) -> ml_collections.ConfigDict:
+  """`config` with the dataset and the splits of few-shot evaluation on `dataset`."""
+  config = config.copy_and_resolve_references()
+  config.dataset = dataset
+  config.train_split = config.fewshot.train_split
+  config.test_split = config.fewshot.test_split
+  if config.fewshot.num_test:
+    config.test_split += f'[:{config.fewshot.num_test}]'
+  return config
+
+
+def evaluate_fewshot(model, params, config, mesh: Mesh) -> dict[str, float]:
+  """{'fewshot/<dataset>_<k>shot': linear k-shot accuracy of the frozen features, the mean over
+  config.fewshot.seeds shot choices} for each dataset and k of config.fewshot."""
+  metrics = {}
+  for dataset in config.fewshot.datasets:
+    results = fewshot.evaluate(model, params, fewshot_config(config, dataset),
+                               config.fewshot.shots, range(config.fewshot.seeds),
+                               fewshot.HOLDOUT, mesh)
+    name = os.path.basename(os.path.normpath(dataset))  # Image folders: the folder's name.
+    metrics.update({f'fewshot/{name}_{k}shot': results[k]['mean'] for k in config.fewshot.shots})
+  return metrics
+
+
+def fewshot_due(config: ml_collections.ConfigDict, step: int) -> bool:
+  """Whether few-shot evaluation runs after `step`: every config.fewshot.every steps, and
+  after the last step, where config.fewshot.datasets names any."""
+  every = config.fewshot.every or config.total_steps
+  return bool(config.fewshot.datasets) and (step % every == 0 or step == config.total_steps)
 
 
 # Checkpoints.
@@ -460,6 +526,26 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
   return state, train_iter
 
 
+def check_data(config: ml_collections.ConfigDict, prefix: str) -> input_pipeline.DatasetInfo:
+  """The dataset info of `config`; raises ConfigError, its message after `prefix`, where the
+  dataset or a split does not exist or a test image does not decode."""
+  try:
+    return input_pipeline.get_dataset_info(config)
+  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
+    raise ConfigError(f'{prefix}{e}') from None
+
+
+def check_fewshot_model(model) -> None:
+  """Raises ConfigError where config.fewshot cannot evaluate `model` in this run."""
+  try:
+    fewshot.check_model(model)
+  except ValueError as e:
+    raise ConfigError(f'config.fewshot.datasets: {e}') from None
+  if jax.process_count() > 1:
+    raise ConfigError('config.fewshot.datasets: few-shot evaluation runs in a single process; '
+                      'set it to () and run python -m vit_jax.fewshot on the model.npz.')
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
@@ -467,14 +553,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
   """
   validate_config(config, jax.device_count())
-  try:
-    info = input_pipeline.get_dataset_info(config)
-  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
-    raise ConfigError(str(e)) from None
+  info = check_data(config, '')
+  if config.val_split:
+    check_data(evaluated_on(config, 'val'), f'config.val_split={config.val_split!r}: ')
+  for dataset in config.fewshot.datasets:
+    check_data(fewshot_config(config, dataset), f'config.fewshot.datasets, {dataset!r}: ')
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
   model = build_model(config, info.num_classes)
+  if config.fewshot.datasets:
+    check_fewshot_model(model)
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -529,15 +618,18 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   preemption = PreemptionWatcher()
   try:
     return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops)
+                     preemption, flops_per_image / peak_flops,
+                     functools.partial(evaluate_fewshot, model, config=config, mesh=mesh))
   finally:
     preemption.close()
     writer.flush()
 
 
 def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
-              checkpoints: Checkpoints, preemption, flops_per_image_over_peak):
+              checkpoints: Checkpoints, preemption, flops_per_image_over_peak, fewshot_eval):
   """The step loop, from `state.step` to `config.total_steps` or a preemption.
+
+  `fewshot_eval(params)` returns the few-shot metrics, run where `fewshot_due`.
 
   Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM
   or SIGINT. Each step's checkpoint is started before its evaluation, so a failing evaluation
@@ -584,14 +676,24 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
                         preemption.signal_name or 'SIGTERM')
         return state, {**last_metrics, 'preempted_at_step': step}
-      if step % config.eval_every == 0 or step == config.total_steps:
+      for split in evaluations_due(config, step):
         eval_start = time.perf_counter()
-        eval_metrics = evaluate(eval_step, state.params, config, mesh)
+        eval_metrics = evaluate(eval_step, state.params, config, mesh, split)
         writer.write_scalars(step, eval_metrics)
-        logging.info('step %d: test accuracy %.4f, test loss %.4f', step,
-                     eval_metrics['test_accuracy'], eval_metrics['test_loss'])
+        logging.info('step %d: %s accuracy %.4f (top-5 %.4f), %s loss %.4f', step, split,
+                     eval_metrics[f'{split}_accuracy'], eval_metrics[f'{split}_top5_accuracy'],
+                     split, eval_metrics[f'{split}_loss'])
         last_metrics.update(eval_metrics)
         timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
+      if fewshot_due(config, step):
+        eval_start = time.perf_counter()
+        fewshot_metrics = fewshot_eval(state.params)
+        writer.write_scalars(step, fewshot_metrics)
+        logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
+            f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
+                     time.perf_counter() - eval_start)
+        last_metrics.update(fewshot_metrics)
+        timer_start += time.perf_counter() - eval_start
   except NonFiniteError as e:
     raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
                          e.step) from None
