@@ -4,6 +4,7 @@ dataset prepares and trains by name without the internet, as `cifar10` does with
 import ast
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -49,9 +50,8 @@ def lazy_imports(module) -> set[str]:
   return names
 
 
-def test_readme_commands_and_tfds_lazy_imports_resolve():
-  modules = readme_modules()
-  assert {'vit_jax.main', 'vit_jax.predict', 'vit_jax.visualize', 'vit_jax.models'} <= modules
+def tfds_lazy_imports_after(modules: set[str]) -> set[str]:
+  """What the tensorflow_datasets modules loaded by importing `modules` import lazily."""
   for name in modules:
     importlib.import_module(name)
   lazy = set()
@@ -59,6 +59,20 @@ def test_readme_commands_and_tfds_lazy_imports_resolve():
     if (name.startswith('tensorflow_datasets') and name != TFDS_OPTIONAL_EXTRAS
         and getattr(module, '__file__', '').endswith('.py')):
       lazy |= lazy_imports(module)
+  return lazy
+
+
+def test_readme_commands_and_tfds_lazy_imports_resolve():
+  modules = readme_modules()
+  assert {'vit_jax.main', 'vit_jax.predict', 'vit_jax.visualize', 'vit_jax.models'} <= modules
+  # In a fresh interpreter: what the README's commands load, not what other tests loaded.
+  result = subprocess.run(
+      [sys.executable, '-c', 'import json, sys, test_requirements as t; '
+       'print(json.dumps(sorted(t.tfds_lazy_imports_after(set(sys.argv[1:])))))', *modules],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env={**os.environ, 'PYTHONPATH': os.pathsep.join([ROOT, TESTS])})
+  assert result.returncode == 0, result.stderr
+  lazy = json.loads(result.stdout.splitlines()[-1])
   assert 'importlib_resources' in lazy  # What tfds 4.9.10 imports to prepare a dataset.
   missing = sorted(name for name in lazy if importlib.util.find_spec(name) is None)
   assert not missing, f'Not installed, but tfds imports them lazily: {missing}'

@@ -197,6 +197,13 @@ def drop_closed_event_loop_errors(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def evaluation_summary(metrics: dict[str, float]) -> str:
+  """The evaluations among a run's last `metrics` (test, minival, few-shot), on one line."""
+  shown = {name.removeprefix('fewshot/'): value for name, value in metrics.items()
+           if name.startswith(('test_', 'val_', 'fewshot/'))}
+  return ', '.join(f'{name} {value:.4g}' for name, value in sorted(shown.items()))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -230,7 +237,7 @@ def main(argv):
     logging.warning('Stopped at step %d and wrote its checkpoint. To resume: %s',
                     metrics['preempted_at_step'], resume_command(workdir))
     return
-  logging.info('Done: %s', ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())))
+  logging.info('Done: %s', evaluation_summary(metrics))
 
 
 if __name__ == '__main__':
