@@ -57,7 +57,7 @@ def tfds_lazy_imports_after(modules: set[str]) -> set[str]:
   lazy = set()
   for name, module in list(sys.modules.items()):
     if (name.startswith('tensorflow_datasets') and name != TFDS_OPTIONAL_EXTRAS
-        and getattr(module, '__file__', '').endswith('.py')):
+        and (getattr(module, '__file__', None) or '').endswith('.py')):
       lazy |= lazy_imports(module)
   return lazy
 
