@@ -6,6 +6,7 @@ installed dependencies (nothing is downloaded), and used from a folder that hold
 """
 import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -36,10 +37,14 @@ def fixture_installed(tmp_path_factory):
   shutil.copy(os.path.join(ROOT, 'setup.py'), source)
   run([sys.executable, '-m', 'venv', '--system-site-packages', str(tmp / 'venv')], tmp)
   python = str(tmp / 'venv' / 'bin' / 'python')
-  run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-build-isolation', str(source)],
-      tmp)
   site_packages = run([python, '-c', 'import sysconfig; print(sysconfig.get_path("purelib"))'],
                       tmp).strip()
+  # The dependencies as installed for this test run (a venv's too, which --system-site-packages
+  # alone would not reach); a path line in a .pth adds the folder, not the editable vit_jax.
+  with open(os.path.join(site_packages, 'test_dependencies.pth'), 'w') as f:
+    f.write('\n'.join(site.getsitepackages()) + '\n')
+  run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-build-isolation', str(source)],
+      tmp)
   (tmp / 'elsewhere' / 'configs').mkdir(parents=True)
   (tmp / 'elsewhere' / 'configs' / '__init__.py').write_text(DECOY)
   return python, tmp / 'elsewhere', site_packages
