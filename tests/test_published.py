@@ -9,6 +9,7 @@ import socket
 import threading
 import urllib.parse
 
+from flax import traverse_util
 import numpy as np
 import pytest
 
@@ -130,8 +131,8 @@ def bucket(tmp_path_factory):
   model = models.get_model('ViT-Ti_16', num_classes=3)
   rng = np.random.default_rng(0)
   params = {k: rng.normal(size=s.shape).astype(np.float32) for k, s in
-            checkpoint.traverse_util.flatten_dict(models.param_shapes(model)).items()}
-  params = checkpoint.traverse_util.unflatten_dict(params)
+            traverse_util.flatten_dict(models.param_shapes(model)).items()}
+  params = traverse_util.unflatten_dict(params)
   checkpoint.save(params, os.path.join(root, published.lookup('augreg:Ti/16').path))
   shutil.copy(os.path.join(root, published.lookup('augreg:Ti/16').path),
               os.path.join(root, published.lookup('augreg:Ti/16-224').path))
@@ -202,5 +203,5 @@ def test_a_file_placed_in_the_cache_by_hand_is_used_without_a_request(mirror, tm
   checkpoint.save(mirror, os.path.join(tmp_path, 'cache', entry.path))
   assert published.fetch('augreg:Ti/16-224') == str(tmp_path / 'cache' / entry.path)
   assert not _Bucket.requests
-  assert re.fullmatch(r'\{"sha256": "[0-9a-f]{64}".*', open(
-      tmp_path / 'cache' / f'{entry.path}.sha256').read())
+  record = (tmp_path / 'cache' / f'{entry.path}.sha256').read_text()
+  assert re.fullmatch(r'\{"sha256": "[0-9a-f]{64}".*', record)

@@ -20,9 +20,10 @@ one, and takes a training workdir for its `model.npz`.
 
 Wherever a checkpoint path is taken, a published name (`augreg:B/16`, `paper:ViT-B_16`; see
 `vit_jax.published`, or `python -m vit_jax.checkpoint --list`) stands for that file, downloaded
-once into a local cache (`model_path`). Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
-Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
-line naming the file, or the parameter path with both shapes.
+once into a local cache (`model_path`); its errors are `published.PublishedError`s (also
+`ValueError`s). Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile,
+imported only then. Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`)
+whose message is one line naming the file, or the parameter path with both shapes.
 """
 import argparse
 import io
