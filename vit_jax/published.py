@@ -33,7 +33,6 @@ import http.client
 import json
 import os
 import sys
-import tempfile
 from typing import Optional
 import urllib.error
 import urllib.request
@@ -209,10 +208,9 @@ def _download(entry: Checkpoint, path: str) -> None:
   """Downloads `entry` to `path` through a `.part` file, kept only when it is complete."""
   url = download_url(entry)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + '.',
-                              suffix='.part')
+  part = f'{path}.{os.getpid()}.part'  # One per process: concurrent downloads do not mix.
   try:
-    with os.fdopen(fd, 'wb') as out:
+    with open(part, 'wb') as out:
       try:
         with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
           total = response.headers.get('Content-Length')

@@ -303,7 +303,8 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
           os.path.exists(args.checkpoint)):
     raise FileNotFoundError(f'--checkpoint {args.checkpoint} does not exist: give a training '
                             'workdir or an .npz checkpoint.')
-  name = args.model or os.path.basename(os.path.normpath(args.checkpoint))
+  name = args.model or (args.checkpoint if published.is_name(args.checkpoint) else
+                        os.path.basename(os.path.normpath(args.checkpoint)))
   figures = {}
   if set(args.figures) - {'training_curves'}:
     model, params, image_size = load_model(args.checkpoint, args.model)
