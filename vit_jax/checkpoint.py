@@ -18,14 +18,19 @@ the layout of the model it is given.
 SPEC_KEY; `load_model` rebuilds the model from it, or from a registry name for files without
 one, and takes a training workdir for its `model.npz`.
 
-Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile, imported only then.
-Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`) whose message is one
-line naming the file, or the parameter path with both shapes.
+Wherever a checkpoint path is taken, a published name (`augreg:B/16`, `paper:ViT-B_16`; see
+`vit_jax.published`, or `python -m vit_jax.checkpoint --list`) stands for that file, downloaded
+once into a local cache (`model_path`); its errors are `published.PublishedError`s (also
+`ValueError`s). Paths with a scheme (`gs://...`) are read and written with TensorFlow's gfile,
+imported only then. Every error is a `FileNotFoundError` or a `CheckpointError` (a `ValueError`)
+whose message is one line naming the file, or the parameter path with both shapes.
 """
+import argparse
 import io
 import json
 import math
 import os
+import sys
 import zipfile
 import zlib
 from typing import Any, Collection, Optional
@@ -36,6 +41,7 @@ import numpy as np
 import scipy.ndimage
 
 from vit_jax import models
+from vit_jax import published
 
 Params = dict[str, Any]
 
@@ -418,8 +424,11 @@ def load_pretrained(path, init_params: Params, model, *,
 
 
 def model_path(path_or_workdir) -> str:
-  """The .npz of `path_or_workdir`: the path itself, or WORKDIR/model.npz for a folder."""
+  """The .npz of `path_or_workdir`: the path itself, WORKDIR/model.npz for a folder, or the
+  cached file of a published name (downloaded on first use, `published.fetch`)."""
   path = os.fspath(path_or_workdir)
+  if published.is_name(path):
+    return published.fetch(path)
   return os.path.join(path, WORKDIR_MODEL) if os.path.isdir(path) else path
 
 
@@ -467,16 +476,19 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
   """(model, params) of a saved model: an .npz file, or a training workdir (its model.npz).
 
   The model is the one of the spec saved in the file (`save`); `overrides` set fields it leaves
-  to the caller, e.g. `dtype=jnp.bfloat16`. A file without a spec (the published checkpoints,
-  files of older versions) needs `model_name`, a registry name whose classes and representation
-  size then follow the parameters, with the fields of a FILE.overrides.json next to it applied
-  (deprecated: files now carry their spec); an older workdir's config.json also names it.
+  to the caller, e.g. `dtype=jnp.bfloat16`. `path_or_workdir` may be a published name
+  (`vit_jax.published`), which also names the model. Another file without a spec (the published
+  checkpoints, files of older versions) needs `model_name`, a registry name whose classes and
+  representation size then follow the parameters, with the fields of a FILE.overrides.json next
+  to it applied (deprecated: files now carry their spec); an older workdir's config.json also
+  names it.
   Raises a CheckpointError, or FileNotFoundError, whose one line names the file and the fix.
   """
   path = model_path(path_or_workdir)
   params, spec = load_with_spec(path)
   if spec is None:
-    name_or_config = model_name or _recorded_model_config(path_or_workdir)
+    name_or_config = (model_name or published.model_of(path_or_workdir) or
+                      _recorded_model_config(path_or_workdir))
     if name_or_config is None:
       raise CheckpointError(
           f'{path} holds no model spec (a published file, or one written before vit_jax saved '
@@ -493,3 +505,18 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
   check_matches(params, models.param_shapes(model, native_image_size(params, model)),
                 source=path)
   return model, params
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """`python -m vit_jax.checkpoint --list`: prints the published names (`vit_jax.published`)."""
+  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser.add_argument('--list', action='store_true', required=True,
+                      help='print each published name with its model, resolution, training '
+                      'data and file')
+  parser.parse_args(argv)
+  print('\n'.join(published.listing()))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -131,7 +131,8 @@ FIELD_HELP = {
                     "'nothing_saveable'; None: off.",
     'attention': "Attention kernel: 'xla', 'cudnn' (fused; NVIDIA GPUs, 16-bit floats) or "
                  "'auto' (cudnn on NVIDIA GPUs, else xla).",
-    'pretrained_path': 'Fine-tune from this .npz checkpoint or training workdir.',
+    'pretrained_path': 'Fine-tune from this .npz checkpoint, training workdir, or published name '
+                       '(augreg:B/16; python -m vit_jax.checkpoint --list).',
     'posemb_method': "How pretrained position embeddings are resized: 'bilinear', ...",
     'pretrained_keep_head': "Keep the checkpoint's head (same classes) instead of a new one.",
     'batch': 'Global batch: examples per update, over all devices.',

@@ -38,6 +38,7 @@ import safetensors.numpy
 from vit_jax import checkpoint
 from vit_jax import models_vit
 from vit_jax import predict
+from vit_jax import published
 from vit_jax import torch_layout
 
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
@@ -228,9 +229,14 @@ WRITERS = {'timm': write_timm, 'hf': write_hugging_face, 'saved_model': write_sa
 
 def default_out(checkpoint_path: str, format_name: str) -> str:
   """FILE.npz -> FILE_timm.safetensors, FILE_hf, FILE_saved_model, FILE.tflite; a workdir's
-  inside it, WORKDIR/model_timm.safetensors..."""
-  base = (os.path.join(checkpoint_path, 'model') if os.path.isdir(checkpoint_path)
-          else os.path.splitext(checkpoint_path)[0])
+  inside it, WORKDIR/model_timm.safetensors...; a published name's in the current directory,
+  under the name of its file."""
+  if published.is_name(checkpoint_path):
+    base = os.path.splitext(os.path.basename(published.lookup(checkpoint_path).path))[0]
+  elif os.path.isdir(checkpoint_path):
+    base = os.path.join(checkpoint_path, 'model')
+  else:
+    base = os.path.splitext(checkpoint_path)[0]
   suffixes = {'timm': '_timm.safetensors', 'tflite': '.tflite'}
   return base + suffixes.get(format_name, f'_{format_name}')
 
@@ -250,7 +256,8 @@ def export(model, params, image_size: int, format_name: str, out: str,
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--checkpoint', required=True, help='training workdir or .npz checkpoint')
+  parser.add_argument('--checkpoint', required=True, help='training workdir, .npz checkpoint, or '
+                      'published name (augreg:B/16-384; python -m vit_jax.checkpoint --list)')
   parser.add_argument('--format', required=True, choices=FORMATS)
   parser.add_argument('--out', help='file (timm, tflite) or directory to write; must not exist. '
                       'Default: next to the checkpoint, e.g. FILE_timm.safetensors')
@@ -262,8 +269,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
-  out = args.out or default_out(args.checkpoint, args.format)
   try:
+    out = args.out or default_out(args.checkpoint, args.format)
     if os.path.exists(out):
       raise FileExistsError(f'{out} exists: pass another --out, or delete it first.')
     if args.labels and args.format != 'hf':

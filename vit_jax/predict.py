@@ -3,13 +3,14 @@
     python -m vit_jax.predict --model ViT-B_16 --checkpoint ViT-B_16_imagenet2012.npz \\
         --labels imagenet2012 cat.jpg dog.png
     python -m vit_jax.predict --checkpoint WORKDIR cat.jpg
+    python -m vit_jax.predict --checkpoint augreg:B/16-384 --labels imagenet2012 cat.jpg
 
 Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
 embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
 values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
 one whose spec vit_jax saved in the file (training runs, vit_jax.convert); a published file needs
---model, its registry name, and the number of classes and the representation size then come from
-its parameters.
+--model, its registry name, unless given by its published name (vit_jax.published), and the
+number of classes and the representation size then come from its parameters.
 A missing file or an image that cannot be decoded is reported by name, the other images are still
 classified, and the exit status is 1.
 """
@@ -88,7 +89,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser.add_argument('--model', help='registry name, e.g. ViT-B_16; needed for files without a '
                       'saved model spec (the published ones)')
   parser.add_argument('--checkpoint', required=True,
-                      help='.npz in the published layout, or a training workdir (its model.npz)')
+                      help='.npz in the published layout, a training workdir (its model.npz), '
+                      'or a published name, e.g. augreg:B/16-384 (python -m vit_jax.checkpoint '
+                      '--list)')
   parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
                       'class name per line; default: class indices')
   parser.add_argument('--image_size', type=int,

@@ -31,6 +31,8 @@ from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import published
+from vit_jax import registry
 from vit_jax import sharding
 # The update step lives in vit_jax.train_step, free of TensorFlow.
 from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
@@ -144,6 +146,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ConfigError for a config that cannot train, before anything is compiled; first sets
   `config.model` to the model `config.model_name` names, where they differ (vit_jax.config)."""
+  check_pretrained_path(config)
+  use_published_model(config)
   try:
     defaults.resolve_model(config)
   except ValueError as e:
@@ -151,7 +155,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
   if error := (values_error(config) or mesh_error(config, num_devices) or
                batch_split_error(config, data_parallel_size(config, num_devices))):
     raise ConfigError(error)
-  check_pretrained_path(config)
   step = np.array(models.get_model(config.model, num_classes=1).patch_pixels)
   if any(config.pp.crop % step):
     raise ConfigError(
@@ -161,16 +164,40 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
 
 
 def pretrained_file(config: ml_collections.ConfigDict) -> str:
-  """The checkpoint file of `config.pretrained_path`: the path itself, or FOLDER/model.npz for a
-  folder (a training workdir)."""
-  path = config.pretrained_path
-  return os.path.join(path, 'model.npz') if os.path.isdir(path) else path
+  """The checkpoint file of `config.pretrained_path` (`checkpoint.model_path`): the path itself,
+  FOLDER/model.npz for a folder (a training workdir), or a published name's cached download."""
+  try:
+    return checkpoint.model_path(config.pretrained_path)
+  except published.PublishedError as e:
+    raise ConfigError(f'config.pretrained_path: {e}') from None
+
+
+def use_published_model(config: ml_collections.ConfigDict) -> None:
+  """For `config.pretrained_path` naming a published checkpoint: makes its registry model the
+  config's model where the config names no registry model (the default run's ViT-mini_7, a
+  model of its own); a ConfigError where it names another one."""
+  model_name = published.model_of(config.pretrained_path)
+  if model_name is None or config.model_name == model_name:
+    return
+  if config.model_name in registry.MODEL_CONFIGS:
+    raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} holds a {model_name}, '
+                      f'not the config\'s {config.model_name}: set --config.model_name='
+                      f'{model_name}.')
+  logging.info('config.model_name=%s: the model of %s.', model_name, config.pretrained_path)
+  defaults.with_model(config, model_name)
 
 
 def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError unless `config.pretrained_path` is unset, a URL, or leads to a file."""
+  """Raises ConfigError unless `config.pretrained_path` is unset, a URL, a known published name,
+  or leads to a file."""
   path = config.pretrained_path
   if not path or '://' in path:
+    return
+  if published.is_name(path):
+    try:
+      published.lookup(path)
+    except published.PublishedError as e:
+      raise ConfigError(f'config.pretrained_path: {e}') from None
     return
   if os.path.isdir(path) and not os.path.isfile(pretrained_file(config)):
     raise ConfigError(f'config.pretrained_path={path!r} is a folder without a model.npz: give '

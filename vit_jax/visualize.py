@@ -43,6 +43,7 @@ from PIL import Image
 from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import predict
+from vit_jax import published
 
 FIGURES = ('attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
            'mean_attention_distance', 'embedding_filters', 'training_curves')
@@ -282,7 +283,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True,
-                      help='A .npz checkpoint or a training workdir.')
+                      help='A .npz checkpoint, a training workdir, or a published name '
+                      '(augreg:B/16-384; python -m vit_jax.checkpoint --list).')
   parser.add_argument('--model', help='Registry model name; needed for files without a saved '
                       'model spec (the published ones).')
   parser.add_argument('--output', required=True, help='Folder the PNG files are written to.')
@@ -297,10 +299,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   """The figures that `args` ask for and that apply to the checkpoint, by name."""
-  if '://' not in args.checkpoint and not os.path.exists(args.checkpoint):  # URLs: on load.
+  if not (published.is_name(args.checkpoint) or '://' in args.checkpoint or  # Both: on load.
+          os.path.exists(args.checkpoint)):
     raise FileNotFoundError(f'--checkpoint {args.checkpoint} does not exist: give a training '
                             'workdir or an .npz checkpoint.')
-  name = args.model or os.path.basename(os.path.normpath(args.checkpoint))
+  name = args.model or (args.checkpoint if published.is_name(args.checkpoint) else
+                        os.path.basename(os.path.normpath(args.checkpoint)))
   figures = {}
   if set(args.figures) - {'training_curves'}:
     model, params, image_size = load_model(args.checkpoint, args.model)
