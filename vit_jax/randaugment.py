@@ -62,14 +62,14 @@ def identity(image: tf.Tensor) -> tf.Tensor:
 
 
 def auto_contrast(image: tf.Tensor) -> tf.Tensor:
-  """Stretches each channel linearly so its darkest pixel is 0 and its brightest 255 (a
-  constant channel stays as it is)."""
-  image = tf.cast(image, tf.float32)
+  """Stretches each channel linearly so its darkest pixel is 0 and its brightest 255, rounding
+  down as PIL does (a constant channel stays as it is)."""
+  image = tf.cast(image, tf.float64)  # PIL's arithmetic, whose rounding down it matches.
   low = tf.reduce_min(image, axis=[0, 1], keepdims=True)
   high = tf.reduce_max(image, axis=[0, 1], keepdims=True)
   scale = tf.where(high > low, 255 / tf.maximum(high - low, 1), 1.0)
-  offset = tf.where(high > low, low, 0.0)
-  return to_uint8((image - offset) * scale)
+  offset = tf.where(high > low, -low * scale, 0.0)
+  return to_uint8(tf.cast(tf.floor(image * scale + offset), tf.float32))
 
 
 def _equalize_channel(channel: tf.Tensor) -> tf.Tensor:
@@ -217,13 +217,18 @@ def randaugment(image: tf.Tensor, key: tf.Tensor, num_layers: int, magnitude: fl
   """
   level, shape = magnitude / MAX_LEVEL, image.shape
   branches = list(OPS.values())
-  for layer_key in tf.unstack(tf.random.experimental.stateless_split(key, num_layers)):
+
+  def layer(image, layer_key):
     choice, apply, flip = tf.unstack(tf.random.stateless_uniform([3], layer_key))
     sign = tf.where(flip < 0.5, -1.0, 1.0)
     index = tf.where(apply < 0.5, tf.cast(choice * len(branches), tf.int32), 0)  # 0: identity.
     image = tf.switch_case(index, [lambda op=op: op(image, level, sign) for op in branches])
-    image = tf.ensure_shape(image, shape)
-  return image
+    return tf.ensure_shape(image, shape)
+
+  if not num_layers:
+    return image
+  # A loop over the layers' keys: the operations enter the graph once, whatever num_layers is.
+  return tf.foldl(layer, tf.random.experimental.stateless_split(key, num_layers), image)
 
 
 def config_error(randaug) -> str | None:
