@@ -34,6 +34,7 @@ def training_defaults() -> ml_collections.ConfigDict:
       'flip': True,
       'inception_crop': True,
       'area_min': 0.05,
+      'randaug': ml_collections.FieldReference(None, field_type=tuple),
   })
 
   # Model: a registry name (see vit_jax.registry.MODEL_CONFIGS) and its config (`with_model`).
@@ -63,6 +64,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
+  # Mixup of each training batch with itself rolled by one, ratio ~ Beta(p, p) (train_step.mixup).
+  config.mixup = ml_collections.ConfigDict({'p': 0.0})
 
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).
@@ -123,6 +126,8 @@ FIELD_HELP = {
     'pp.inception_crop': 'Training: random-area, random-aspect crops (the paper), or whole '
                          'images.',
     'pp.area_min': 'Inception crop: the smallest fraction of the image area kept.',
+    'pp.randaug': 'Training: RandAugment (num_layers, magnitude), e.g. (2, 10), magnitude 10 '
+                  'the usual largest (vit_jax/randaugment.py); None: off.',
     'model_name': 'Registry model (vit_jax.registry.MODEL_CONFIGS) that fills config.model; '
                   'override its fields as --config.model.hidden_size=...',
     'dtype': "Computation dtype, 'float32' or 'bfloat16'; params stay float32.",
@@ -148,6 +153,8 @@ FIELD_HELP = {
     'weight_decay': "AdamW's decoupled weight decay, on kernels.",
     'grad_clip_norm': 'Clip gradients to this global norm.',
     'label_smoothing': 'Label smoothing of the training loss.',
+    'mixup.p': 'Mixup: alpha of the Beta(alpha, alpha) mixing ratio of each training batch '
+               '(one ratio per step, at least 1/2), e.g. 0.2; 0: off.',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "

@@ -24,8 +24,9 @@ read) and yields exactly what an uninterrupted run yields from step `n` on.
 
 Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-style random crop
 (5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
-(`pp.flip`); evaluation resizes to `pp.crop`, or resizes the short side to `pp.resize` and takes
-the central `pp.crop` square. Images are float32 in [-1, 1], labels int32 class indices (the loss
+(`pp.flip`), then applies RandAugment where `pp.randaug` is set (vit_jax/randaugment.py, keyed
+like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
+to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels int32 class indices (the loss
 takes them as they are, or one-hot via `jax.nn.one_hot(label, num_classes)`).
 """
 import collections
@@ -38,11 +39,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import tensorflow as tf
 
 from vit_jax import input_pipeline_sources as sources
+from vit_jax import randaugment
 
 EMBEDDED_DATASET = sources.EMBEDDED_DATASET
 INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.
 INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
 _ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
+_RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
 _FOREVER = 2**62  # Number of training epochs.
 # The config fields the training order depends on: a resumed run must use the same values.
 _ORDER_FIELDS = ('dataset', 'train_split', 'seed', 'batch')
@@ -122,13 +125,17 @@ def inception_crop(image: tf.Tensor, key: tf.Tensor,
 
 
 def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`."""
+  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`:
+  crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8."""
   crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
   if pp.get('inception_crop', True):
     image = inception_crop(image, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
   image = resize(image, pp.crop)
   if pp.get('flip', True):
     image = tf.image.stateless_random_flip_left_right(image, flip_key)
+  if pp.get('randaug'):
+    randaug_key = tf.random.experimental.stateless_fold_in(key, _RANDAUG)
+    image = randaugment.randaugment(randaugment.to_uint8(image), randaug_key, *pp.randaug)
   return to_unit_range(image)
 
 

@@ -32,6 +32,7 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import published
+from vit_jax import randaugment
 from vit_jax import registry
 from vit_jax import sharding
 # The update step lives in vit_jax.train_step, free of TensorFlow.
@@ -134,6 +135,10 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
             f'{config.fewshot.seeds} must be positive, e.g. (5, 10) and 1.')
   if config.warmup_steps < 0:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
+  if error := randaugment.config_error(config.pp.get('randaug')):
+    return error
+  if config.get('mixup') and not config.mixup.p >= 0:
+    return f'config.mixup.p={config.mixup.p!r} must be 0 (off) or more, e.g. 0.2.'
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES),

@@ -16,6 +16,7 @@ import optax
 from vit_jax import sharding
 
 Batch = dict[str, jax.Array]
+_MIXUP = 2**31 - 1  # Folded into a step's key for its mixup key (micro-batches fold in 0, 1, ...).
 
 
 @flax.struct.dataclass
@@ -63,11 +64,31 @@ def make_optimizer(config: ml_collections.ConfigDict) -> Optimizer:
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
-  """Per-example softmax cross-entropy: logits (B, C), int labels (B,) -> (B,)."""
-  targets = jax.nn.one_hot(labels, logits.shape[-1])
+  """Per-example softmax cross-entropy: logits (B, C) and int labels (B,) or soft targets (B, C)
+  (each row a distribution over the classes, e.g. from `mixup`) -> (B,)."""
+  targets = labels if labels.ndim == 2 else jax.nn.one_hot(labels, logits.shape[-1])
   if label_smoothing:
     targets = optax.smooth_labels(targets, label_smoothing)
   return optax.softmax_cross_entropy(logits, targets)
+
+
+def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch:
+  """Mixup (Zhang et al., 2018) of a whole batch with itself rolled by one example, by one ratio
+  drawn from Beta(alpha, alpha) and folded to at least 1/2 (as big_vision does).
+
+  Args:
+    rng: PRNG key of this step's mixup.
+    batch: {'image': (B, H, W, C), 'label': int (B,)}.
+    alpha: Beta parameter, > 0.
+    num_classes: length of the soft targets.
+  Returns:
+    {'image': (B, H, W, C), 'label': float32 (B, num_classes) soft targets}: example i is
+    ratio * example i + (1 - ratio) * example i - 1 (mod B), in its image and its label.
+  """
+  ratio = jax.random.beta(rng, alpha, alpha)
+  ratio = jnp.maximum(ratio, 1 - ratio)
+  mix = lambda x: ratio * x + (1 - ratio) * jnp.roll(x, 1, axis=0)
+  return {'image': mix(batch['image']), 'label': mix(jax.nn.one_hot(batch['label'], num_classes))}
 
 
 def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
@@ -121,6 +142,8 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
 
   def train_step(state: TrainState, batch: Batch):
     rng = jax.random.fold_in(state.rng, state.step)
+    if config.get('mixup') and config.mixup.p:  # A key no micro-batch's dropout takes.
+      batch = mixup(jax.random.fold_in(rng, _MIXUP), batch, config.mixup.p, model.num_classes)
     loss, grads = loss_and_grads(state.params, batch, rng)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

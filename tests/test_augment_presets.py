@@ -1,0 +1,56 @@
+"""Tests of the AugReg presets (configs/augreg.py) and the small-data preset
+(configs/scratch_small.py): they load as `--config=FILE:ARG` does and validate."""
+import pytest
+
+from vit_jax import main
+from vit_jax import train
+
+
+def load(spec):
+  return main.load_config([f'--config={spec}'])
+
+
+@pytest.mark.parametrize('arg, randaug, mixup, dropout', [
+    ('B/16,i1k,medium2', (2, 15), 0.5, 0.1),
+    ('Ti/16,i21k,light1', (2, 0), 0.0, 0.0),
+    ('L/16,i21k,heavy2,0.1', (2, 20), 0.8, 0.1),
+    ('S/32,i1k,none,0.0', None, 0.0, 0.0),
+])
+def test_augreg_levels_set_the_papers_values_and_validate(arg, randaug, mixup, dropout):
+  config = load(f'configs/augreg.py:{arg}')
+  assert config.pp.randaug == randaug and config.mixup.p == mixup
+  assert config.model.transformer.dropout_rate == dropout
+  assert (config.batch, config.base_lr, config.weight_decay, config.warmup_steps) == (
+      4096, 1e-3, 0.1, 10_000)
+  train.validate_config(config, 8)
+
+
+def test_augreg_i1k_trains_300_epochs_of_imagenet():
+  config = load('configs/augreg.py:B/16,i1k')
+  assert config.model_name == 'ViT-B_16' and config.dataset == 'imagenet2012'
+  assert config.total_steps == 93_835  # 300 x 1,281,167 / 4096.
+
+
+@pytest.mark.parametrize('arg', ['B/16', 'B/16,i2k', 'X/16,i1k', 'B/16,i1k,strong'])
+def test_augreg_bad_argument_names_the_choices(arg):
+  with pytest.raises(ValueError, match='MODEL,DATA'):
+    load(f'configs/augreg.py:{arg}')
+
+
+def test_scratch_small_counts_the_folder_for_its_schedule_and_validates(tmp_path):
+  for split, count in (('train', 300), ('test', 2)):
+    for label in ('a', 'b'):
+      (tmp_path / split / label).mkdir(parents=True)
+      for i in range(count // 2):
+        (tmp_path / split / label / f'{i}.png').write_bytes(b'')  # Counted, not decoded.
+  (tmp_path / 'train' / 'a' / 'notes.txt').write_text('not an image')
+  config = load(f'configs/scratch_small.py:{tmp_path},32')
+  assert (config.dataset, config.pp.crop) == (str(tmp_path), 32)
+  assert config.total_steps == 100 * (300 // 128)  # 100 epochs of 2 steps.
+  assert config.pp.randaug == (2, 10) and config.mixup.p == 0.2
+  train.validate_config(config, 8)
+
+
+def test_scratch_small_needs_a_folder():
+  with pytest.raises(ValueError, match='give the image folder DIR'):
+    load('configs/scratch_small.py')
