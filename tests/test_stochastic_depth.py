@@ -1,12 +1,16 @@
 """Tests of stochastic depth (vit_jax/models_vit.py): per-example drops of the residual branches."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny_config as tiny_config_file
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import train
 
 # 4x4 images in 4x4 patches: one patch and the class token, so that big batches stay cheap.
 TINY = dict(num_classes=3, patch_size=(4, 4), hidden_size=8, mlp_dim=16, num_heads=2,
@@ -160,3 +164,23 @@ def test_bad_stochastic_depth_is_one_line_naming_the_field(fields, message):
   with pytest.raises(ValueError, match=message) as e:
     tiny_vit(**fields).init(jax.random.key(0), images(1), train=False)
   assert '\n' not in str(e.value)
+
+
+def test_a_bad_rate_in_the_config_is_a_config_error_naming_its_field():
+  config = tiny_config_file.get_config()
+  config.model.transformer.stochastic_depth = -0.1
+  with pytest.raises(train.ConfigError, match=r'^config.model.transformer.stochastic_depth=-0.1 '):
+    train.validate_config(config, jax.device_count())
+
+
+def test_a_run_saved_before_stochastic_depth_resumes_without_it(tmp_path):
+  config = tiny_config_file.get_config()
+  train.write_config(config, str(tmp_path))
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  for field in ('stochastic_depth', 'stochastic_depth_schedule'):
+    del saved['model']['transformer'][field]  # As an older version wrote it.
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert train.resume_mismatches(config, str(tmp_path)) == []
+  config.model.transformer.stochastic_depth = 0.1
+  assert train.resume_mismatches(config, str(tmp_path)) == [
+      'model.transformer.stochastic_depth (saved 0.0, now 0.1)']

@@ -63,6 +63,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
+  # Exponential moving average of the weights, evaluated beside them and exported as model.npz.
+  config.ema_decay = 0.0  # 0: off.
 
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).
@@ -147,6 +149,8 @@ FIELD_HELP = {
     'weight_decay': "AdamW's decoupled weight decay, on kernels.",
     'grad_clip_norm': 'Clip gradients to this global norm.',
     'label_smoothing': 'Label smoothing of the training loss.',
+    'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
+                 'too (*_ema), written as model.npz (raw: model_raw.npz); 0: off.',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
