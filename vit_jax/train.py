@@ -635,17 +635,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec;
   with an EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
-  files = {'model.npz': state.params}
+  files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
-    files = {'model.npz': state.ema, 'model_raw.npz': state.params}
+    files = {'model.npz': (state.ema, 'EMA of the params'),
+             'model_raw.npz': (state.params, 'params')}
   spec = models.model_spec(model, config.model_name)
-  for name, params in files.items():
+  for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
       checkpoint.save(params, os.path.join(workdir, name), spec=spec)
-      logging.info('Wrote the final %s to %s.', 'EMA of the params' if name == 'model.npz'
-                   and state.ema is not None else 'params', os.path.join(workdir, name))
+      logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
 def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints):
