@@ -1,4 +1,5 @@
 """Tests of stochastic depth (vit_jax/models_vit.py): per-example drops of the residual branches."""
+import functools
 import json
 
 import jax
@@ -36,11 +37,14 @@ def random_params(model, seed=0):
   return jax.tree.unflatten(tree, jax.jit(draw)(jax.random.key(seed)))
 
 
+@functools.partial(jax.jit, static_argnames=('model', 'train'))
+def jitted_features(model, params, x, rng, train):
+  return model.apply({'params': params}, x, train=train, method='features', rngs={'dropout': rng})
+
+
 def features(model, params, x, train, seed=0):
-  """The model's features of images `x`, jitted (one compilation instead of one per operation)."""
-  apply = jax.jit(lambda p, x, rng: model.apply({'params': p}, x, train=train, method='features',
-                                                rngs={'dropout': rng}))
-  return np.asarray(apply(params, x, jax.random.key(seed)))
+  """The model's features (B, D) of images `x`, with dropout keys from `seed`."""
+  return np.asarray(jitted_features(model, params, x, jax.random.key(seed), train=train))
 
 
 def without_blocks(params, keep=0):
