@@ -6,8 +6,7 @@ et al., 2021), the recipe of the AugReg checkpoints, e.g. `configs/augreg.py:B/1
 MODEL: Ti/16, S/16, S/32, B/16, B/32, L/16 (the paper's ViTs). DATA: `i1k` (tfds imagenet2012,
 300 epochs) or `i21k` (ImageNet-21k, 300 epochs; set --config.dataset to your copy: a tfds name
 or an image folder). LEVEL: the augmentation level of AUG_LEVELS, default medium2. REG: the
-dropout and stochastic-depth rate (the latter where the model config has a `stochastic_depth`
-field), 0.0 or 0.1 as in the paper; default 0.1 on i1k and 0.0 on
+dropout and stochastic-depth rate, 0.0 or 0.1 as in the paper; default 0.1 on i1k and 0.0 on
 i21k, the paper's finding that regularisation helps with ImageNet-1k's 1.3M images and mostly
 hurts with ImageNet-21k's 14M.
 
@@ -65,9 +64,8 @@ def get_config(arg: str = 'B/16,i1k,medium2') -> ml_collections.ConfigDict:
   config.pp.crop, config.pp.resize = 224, 256
   config.pp.inception_crop, config.pp.flip = True, True
   config.pp.randaug, config.mixup.p = AUG_LEVELS[level or 'medium2']
-  config.model.transformer.dropout_rate = float(reg) if reg else preset['reg']
-  if 'stochastic_depth' in config.model:
-    config.model.stochastic_depth = config.model.transformer.dropout_rate
+  rate = float(reg) if reg else preset['reg']
+  config.model.transformer.dropout_rate = config.model.transformer.stochastic_depth = rate
 
   config.batch = config.batch_eval = BATCH
   config.total_steps = round(EPOCHS * preset['images'] / BATCH)

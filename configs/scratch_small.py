@@ -7,7 +7,7 @@ Steiner et al., 2021: on less data, more AugReg), so this preset takes the paper
 small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr 1e-3, weight decay
 0.05) with warmup and cosine decay over 100 epochs of batch 128, Inception crops of 25-100% of
 the area, flips, RandAugment (2, 10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing
-0.1 and dropout 0.1 (and stochastic depth 0.1 where the model config has that field). These are
+0.1 and dropout 0.1 and stochastic depth 0.1. These are
 a starting point, not tuned values: the README's A/B of the default run shows what each costs
 on 28 px Fashion-MNIST.
 """
@@ -48,8 +48,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.model_name = 'ViT-Ti_8-6'
   config.model = registry.vit(config.model_name, patch=8, hidden=192, mlp=768, heads=3, layers=6,
                               dropout=0.1)
-  if 'stochastic_depth' in config.model:
-    config.model.stochastic_depth = 0.1
+  config.model.transformer.stochastic_depth = 0.1
 
   images = count_images(os.path.join(folder, 'train'))
   steps_per_epoch = max(images // BATCH, 1)

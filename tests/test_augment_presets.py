@@ -19,7 +19,9 @@ def load(spec):
 def test_augreg_levels_set_the_papers_values_and_validate(arg, randaug, mixup, dropout):
   config = load(f'configs/augreg.py:{arg}')
   assert config.pp.randaug == randaug and config.mixup.p == mixup
+  # The published files' names carry both rates, equal: `do_0.1-sd_0.1`, `do_0.0-sd_0.0`.
   assert config.model.transformer.dropout_rate == dropout
+  assert config.model.transformer.stochastic_depth == dropout
   assert (config.batch, config.base_lr, config.weight_decay, config.warmup_steps) == (
       4096, 1e-3, 0.1, 10_000)
   train.validate_config(config, 8)

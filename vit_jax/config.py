@@ -66,6 +66,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.label_smoothing = 0.0
   # Mixup of each training batch with itself rolled by one, ratio ~ Beta(p, p) (train_step.mixup).
   config.mixup = ml_collections.ConfigDict({'p': 0.0})
+  # Exponential moving average of the weights, evaluated beside them and exported as model.npz.
+  config.ema_decay = 0.0  # 0: off.
 
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).
@@ -155,6 +157,8 @@ FIELD_HELP = {
     'label_smoothing': 'Label smoothing of the training loss.',
     'mixup.p': 'Mixup: alpha of the Beta(alpha, alpha) mixing ratio of each training batch '
                '(one ratio per step, at least 1/2), e.g. 0.2; 0: off.',
+    'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
+                 'too (*_ema), written as model.npz (raw: model_raw.npz); 0: off.',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "

@@ -41,6 +41,9 @@ def model_kwargs(config: ml_collections.ConfigDict) -> dict:
       num_layers=transformer.num_layers,
       dropout_rate=transformer.dropout_rate,
       attention_dropout_rate=transformer.attention_dropout_rate,
+      # Configs from before stochastic depth (an older run's config.json) lack these two.
+      stochastic_depth=transformer.get('stochastic_depth', 0.0),
+      stochastic_depth_schedule=transformer.get('stochastic_depth_schedule', 'linear'),
       classifier=config.classifier,
       representation_size=config.representation_size,
       resnet_layers=None if resnet is None else tuple(resnet.num_layers),
@@ -53,7 +56,7 @@ def get_model(name_or_config: Union[str, ml_collections.ConfigDict], *, num_clas
   """Builds a VisionTransformer from a registry name (e.g. 'ViT-B_16') or a model config.
 
   `overrides` replace any VisionTransformer field, e.g. `dtype=jnp.bfloat16`,
-  `classifier='gap'`, `dropout_rate=0.1`, `approximate_gelu=False`.
+  `classifier='gap'`, `dropout_rate=0.1`, `stochastic_depth=0.1`, `approximate_gelu=False`.
   """
   config = (get_model_config(name_or_config) if isinstance(name_or_config, str)
             else name_or_config)

@@ -33,6 +33,7 @@ ATTENTION_KERNELS = ('xla', 'cudnn')
 # (jax 0.10.2) rejects odd sequence lengths such as 197 (a class token and 14x14 patches).
 CUDNN_TRAIN_SEQ_MULTIPLE = 16
 TOKENS = ('batch', 'seq', 'embed')  # Logical axes of the (B, T, D) activations between blocks.
+STOCHASTIC_DEPTH_SCHEDULES = ('linear', 'uniform')
 
 
 def _layer_norm(dtype, name=None):
@@ -209,8 +210,40 @@ class MultiHeadDotProductAttention(nn.Module):
         self.dtype)
 
 
+def stochastic_depth_error(rate, schedule: str) -> Optional[str]:
+  """Why (`stochastic_depth`, `stochastic_depth_schedule`) cannot work, or None where they can."""
+  if not 0 <= rate <= 1:
+    return f'stochastic_depth={rate!r} must be a drop rate in [0, 1], e.g. 0.1 (0: off).'
+  if schedule not in STOCHASTIC_DEPTH_SCHEDULES:
+    return (f'stochastic_depth_schedule={schedule!r}; choose one of '
+            f'{STOCHASTIC_DEPTH_SCHEDULES}.')
+  return None
+
+
+def stochastic_depth_rates(rate: float, num_layers: int, schedule: str) -> tuple[float, ...]:
+  """The drop rate of each of `num_layers` blocks: `rate` for every one ('uniform'), or rising
+  linearly from 0 at the first block to `rate` at the last ('linear', as DeiT and timm)."""
+  if schedule == 'uniform' or num_layers == 1:
+    return (rate,) * num_layers
+  return tuple(rate * i / (num_layers - 1) for i in range(num_layers))
+
+
+def drop_path(branch, rate, rng):
+  """Stochastic depth (Huang et al., 2016) of a residual branch (B, ...): each example's branch
+  is zeroed with probability `rate` (a float or a traced scalar) and the others are scaled by
+  1 / (1 - rate), so that its expected value is unchanged; at rate 1 all are zeroed."""
+  keep_prob = 1 - jnp.asarray(rate, jnp.float32)
+  keep = jax.random.bernoulli(rng, keep_prob, (branch.shape[0],) + (1,) * (branch.ndim - 1))
+  scale = keep / jnp.maximum(keep_prob, jnp.finfo(jnp.float32).tiny)
+  return branch * scale.astype(branch.dtype)
+
+
 class Encoder1DBlock(nn.Module):
-  """One pre-LayerNorm Transformer block, Eq. (2) and (3): (B, T, D) -> (B, T, D)."""
+  """One pre-LayerNorm Transformer block, Eq. (2) and (3): (B, T, D) -> (B, T, D).
+
+  `drop_rate` (a float or traced scalar; None: off) is the block's stochastic depth: the
+  attention and MLP branches are each dropped per example (`drop_path`) in training.
+  """
   mlp_dim: int
   num_heads: int
   dropout_rate: float = 0.0
@@ -219,26 +252,33 @@ class Encoder1DBlock(nn.Module):
   dtype: Dtype = jnp.float32
   attention: str = 'xla'
 
+  def drop_branch(self, branch, deterministic, drop_rate):
+    """`branch` through `drop_path` in training with a `drop_rate`; as it is otherwise."""
+    if deterministic or drop_rate is None:
+      return branch
+    return drop_path(branch, drop_rate, self.make_rng('dropout'))
+
   @nn.compact
-  def __call__(self, inputs, deterministic):
+  def __call__(self, inputs, deterministic, drop_rate=None):
     x = _layer_norm(self.dtype)(inputs)
     x = MultiHeadDotProductAttention(
         num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
         attention=self.attention)(x, deterministic=deterministic)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    x = x + inputs
+    x = self.drop_branch(x, deterministic, drop_rate) + inputs
     y = _layer_norm(self.dtype)(x)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
                  approximate_gelu=self.approximate_gelu, dtype=self.dtype)(
                      y, deterministic=deterministic)
-    return nn.with_logical_constraint(x + y, TOKENS)
+    return nn.with_logical_constraint(x + self.drop_branch(y, deterministic, drop_rate), TOKENS)
 
 
 class _ScanStep(Encoder1DBlock):
-  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic) -> (x, None), same parameters."""
+  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic, drop_rate) -> (x, None), same
+  parameters; `drop_rate` is the layer's entry of the scanned (L,) rates, or None."""
 
-  def __call__(self, inputs, deterministic):
-    return super().__call__(inputs, deterministic), None
+  def __call__(self, inputs, deterministic, drop_rate=None):
+    return super().__call__(inputs, deterministic, drop_rate), None
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool]:
@@ -261,6 +301,8 @@ class Encoder(nn.Module):
   that `jax.checkpoint` policy: the backward pass recomputes what the policy does not save.
   On XLA:CPU only scanned blocks gain from it: the CPU compiler drops the optimisation barriers
   that keep unscanned recomputations apart and merges them back into the forward pass.
+  In training, block i drops its branches at `stochastic_depth_rates(stochastic_depth, ...)[i]`;
+  scanned blocks take their rate as a scanned input.
   """
   num_layers: int
   mlp_dim: int
@@ -272,6 +314,8 @@ class Encoder(nn.Module):
   scan_layers: bool = False
   remat_policy: Optional[str] = None
   attention: str = 'xla'
+  stochastic_depth: float = 0.0
+  stochastic_depth_schedule: str = 'linear'
 
   def remat(self, block_class):
     """`block_class`, rematerialised under `remat_policy` when one is set."""
@@ -291,15 +335,20 @@ class Encoder(nn.Module):
                         attention_dropout_rate=self.attention_dropout_rate,
                         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
                         attention=self.attention)
+    rates = (stochastic_depth_rates(self.stochastic_depth, self.num_layers,
+                                    self.stochastic_depth_schedule)
+             if train and self.stochastic_depth > 0 else (None,) * self.num_layers)
     if self.scan_layers:
+      scanned_rates = None if rates[0] is None else jnp.asarray(rates, jnp.float32)
       blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
-                       split_rngs={'params': True, 'dropout': True}, in_axes=nn.broadcast,
+                       split_rngs={'params': True, 'dropout': True},
+                       in_axes=(nn.broadcast, nn.broadcast if scanned_rates is None else 0),
                        length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = blocks(**block_fields, name='encoderblock')(x, not train)
+      x, _ = blocks(**block_fields, name='encoderblock')(x, not train, scanned_rates)
     else:
       block = self.remat(Encoder1DBlock)
       for i in range(self.num_layers):
-        x = block(**block_fields, name=f'encoderblock_{i}')(x, not train)
+        x = block(**block_fields, name=f'encoderblock_{i}')(x, not train, rates[i])
     return _layer_norm(self.dtype, name='encoder_norm')(x)
 
 
@@ -328,6 +377,10 @@ class VisionTransformer(nn.Module):
   scan_layers: bool = False  # The blocks as one nn.scan; parameters at Transformer/encoderblock.
   remat_policy: Optional[str] = None  # A REMAT_POLICIES name: rematerialise each block.
   attention: str = 'xla'  # 'cudnn': cuDNN's fused attention where it fits (resolve_attention).
+  # Training: drop rate of the residual branches per example (stochastic depth); 0: off.
+  stochastic_depth: float = 0.0
+  # 'linear': rising from 0 at the first block to stochastic_depth at the last; or 'uniform'.
+  stochastic_depth_schedule: str = 'linear'
 
   def check_images(self, images):
     """Raises a ValueError, naming the sizes, for images the model cannot cut into patches."""
@@ -336,6 +389,8 @@ class VisionTransformer(nn.Module):
     if self.attention not in ATTENTION_KERNELS:
       raise ValueError(f'attention={self.attention!r}; choose one of {ATTENTION_KERNELS} '
                        "(models_vit.resolve_attention turns 'auto' into one for the devices).")
+    if error := stochastic_depth_error(self.stochastic_depth, self.stochastic_depth_schedule):
+      raise ValueError(error)
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
     if not jnp.issubdtype(images.dtype, jnp.floating):
@@ -404,7 +459,8 @@ class VisionTransformer(nn.Module):
                 attention_dropout_rate=self.attention_dropout_rate,
                 approximate_gelu=self.approximate_gelu, dtype=self.dtype,
                 scan_layers=self.scan_layers, remat_policy=self.remat_policy,
-                attention=self.attention,
+                attention=self.attention, stochastic_depth=self.stochastic_depth,
+                stochastic_depth_schedule=self.stochastic_depth_schedule,
                 name='Transformer')(x, train=train)
 
     if self.classifier == 'token':

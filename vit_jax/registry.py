@@ -3,7 +3,8 @@
 Sizes follow Table 1 of the paper (hidden size D, MLP size, heads, layers):
 Ti 192/768/3/12, S 384/1536/6/12, B 768/3072/12/12, L 1024/4096/16/24, H 1280/5120/16/32.
 Each config holds: `name`, `patches.size`, `hidden_size`, `transformer` (mlp_dim, num_heads,
-num_layers, dropout_rate, attention_dropout_rate), `classifier`, `representation_size`
+num_layers, dropout_rate, attention_dropout_rate, stochastic_depth and its schedule: see
+models_vit.VisionTransformer), `classifier`, `representation_size`
 and `resnet` (None, or num_layers and width_factor of the hybrid's ResNet stem).
 """
 import ml_collections
@@ -25,6 +26,7 @@ def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'
       'transformer': {
           'mlp_dim': mlp, 'num_heads': heads, 'num_layers': layers,
           'dropout_rate': dropout, 'attention_dropout_rate': 0.0,
+          'stochastic_depth': 0.0, 'stochastic_depth_schedule': 'linear',
       },
       'classifier': classifier,
       'representation_size': None,

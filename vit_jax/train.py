@@ -139,6 +139,9 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     return error
   if config.get('mixup') and not config.mixup.p >= 0:
     return f'config.mixup.p={config.mixup.p!r} must be 0 (off) or more, e.g. 0.2.'
+  if not 0 <= config.ema_decay < 1:
+    return (f'config.ema_decay={config.ema_decay!r} must be in [0, 1), e.g. 0.9998 '
+            '(0: no EMA of the weights).')
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
@@ -160,7 +163,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
   if error := (values_error(config) or mesh_error(config, num_devices) or
                batch_split_error(config, data_parallel_size(config, num_devices))):
     raise ConfigError(error)
-  step = np.array(models.get_model(config.model, num_classes=1).patch_pixels)
+  model = models.get_model(config.model, num_classes=1)
+  if error := models_vit.stochastic_depth_error(model.stochastic_depth,
+                                                model.stochastic_depth_schedule):
+    raise ConfigError(f'config.model.transformer.{error}')
+  step = np.array(model.patch_pixels)
   if any(config.pp.crop % step):
     raise ConfigError(
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
@@ -283,6 +290,16 @@ def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict
   return {f'{split}_accuracy': float(totals['correct'] / totals['count']),
           f'{split}_top5_accuracy': float(totals['correct_top5'] / totals['count']),
           f'{split}_loss': float(totals['loss'] / totals['count'])}
+
+
+def with_ema(evaluate_params: Callable[[Any], dict[str, float]],
+             state: TrainState) -> dict[str, float]:
+  """`evaluate_params(state.params)`, and where the state keeps an EMA of them (config.ema_decay)
+  also `evaluate_params(state.ema)`, its metrics named as those with '_ema' appended."""
+  metrics = evaluate_params(state.params)
+  if state.ema is not None:
+    metrics.update({f'{name}_ema': value for name, value in evaluate_params(state.ema).items()})
+  return metrics
 
 
 def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
@@ -433,15 +450,19 @@ class Checkpoints:
     `shardings`; None without checkpoints.
 
     Newer checkpoints that fail to restore (damaged files) are logged and moved to
-    `WORKDIR/damaged_checkpoints`; a ConfigError if none restores.
+    `WORKDIR/damaged_checkpoints`; a ConfigError if none restores. The EMA of the params follows
+    `state`: one the checkpoint lacks starts from its params, one `state` lacks is dropped
+    (`adopt_ema`).
     """
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             state, shardings)
     skipped = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
+        # The EMA is laid out as the params are.
+        saved = abstract.replace(ema=abstract.params if self.has_ema(step) else None)
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(saved), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  (TensorStore, JSON, missing files)
         logging.warning('Skipped checkpoint %d in %s: it does not restore (%s).', step,
                         self.directory, _first_line(e))
@@ -449,13 +470,19 @@ class Checkpoints:
         continue
       for damaged, _ in skipped:
         self.set_aside(damaged, 'damaged_checkpoints')
-      return restored.state, restored.data
+      return adopt_ema(restored.state, keep=state.ema is not None), restored.data
     if skipped:
       raise ConfigError(
           f'No checkpoint in {self.directory} restores (step {skipped[0][0]}: '
           f'{_first_line(skipped[0][1])}): restore the config the run was started with, or use '
           'another --workdir to start afresh.')
     return None
+
+  def has_ema(self, step: int) -> bool:
+    """Whether the train state saved at `step` holds an EMA of the params."""
+    with ocp.StandardCheckpointer() as checkpointer:
+      saved = checkpointer.metadata(os.path.join(self.directory, str(step), 'state'))
+    return saved.item_metadata.tree.get('ema') is not None
 
   def set_aside(self, step: int, folder: str) -> None:
     """Moves the checkpoint of `step` to `WORKDIR/folder/STEP` (kept, but not resumed from)."""
@@ -477,6 +504,20 @@ class Checkpoints:
       self.manager.close()
       for logger in _ORBAX_LOGGERS:
         logging.getLogger(logger).removeFilter(self._errors)
+
+
+def adopt_ema(state: TrainState, keep: bool) -> TrainState:
+  """A restored `state` with an EMA of the params where `keep` (config.ema_decay is set) and
+  without one otherwise: a checkpoint saved without one starts it from its params."""
+  if keep and state.ema is None:
+    logging.warning('The checkpoint of step %d holds no EMA of the params (saved with '
+                    'config.ema_decay=0): the EMA starts from its params.', int(state.step))
+    return state.replace(ema=jax.tree.map(jnp.copy, state.params))
+  if not keep and state.ema is not None:
+    logging.warning('config.ema_decay=0: the EMA of the params in the checkpoint of step %d '
+                    'is dropped.', int(state.step))
+    return state.replace(ema=None)
+  return state
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -511,6 +552,10 @@ def _flatten(tree: dict) -> dict[str, Any]:
 
 # The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
 STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers')
+# Fields newer than some saved config.json files, with the value that behaves as the versions
+# without them did: a config that lacks one holds that value.
+ADDED_FIELDS = {'model.transformer.stochastic_depth': 0.0,
+                'model.transformer.stochastic_depth_schedule': 'linear'}
 
 
 def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
@@ -520,8 +565,8 @@ def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[s
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    saved = _flatten(json.load(f))
-  now = _flatten(json.loads(config.to_json_best_effort()))
+    saved = {**ADDED_FIELDS, **_flatten(json.load(f))}
+  now = {**ADDED_FIELDS, **_flatten(json.loads(config.to_json_best_effort()))}
   fields = STATE_FIELDS + input_pipeline._ORDER_FIELDS  # pylint: disable=protected-access
   return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
           for key in sorted(saved.keys() | now.keys())
@@ -615,13 +660,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   finally:
     checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
-    # Every process joins the gather (params may be split across hosts); process 0 writes.
-    params = multihost_utils.process_allgather(state.params, tiled=True)
-    if is_main:
-      export_path = os.path.join(workdir, 'model.npz')
-      checkpoint.save(params, export_path, spec=models.model_spec(model, config.model_name))
-      logging.info('Wrote the final params to %s.', export_path)
+    export(state, model, config, workdir)
   return last_metrics
+
+
+def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec;
+  with an EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
+  files = {'model.npz': (state.params, 'params')}
+  if state.ema is not None:
+    files = {'model.npz': (state.ema, 'EMA of the params'),
+             'model_raw.npz': (state.params, 'params')}
+  spec = models.model_spec(model, config.model_name)
+  for name, (params, what) in files.items():
+    # Every process joins the gather (params may be split across hosts); process 0 writes.
+    params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+      checkpoint.save(params, os.path.join(workdir, name), spec=spec)
+      logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
 def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints):
@@ -638,7 +694,8 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
-    return state, evaluate(eval_step, state.params, config, mesh)
+    return state, with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
+                           state)
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
@@ -710,16 +767,19 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         return state, {**last_metrics, 'preempted_at_step': step}
       for split in evaluations_due(config, step):
         eval_start = time.perf_counter()
-        eval_metrics = evaluate(eval_step, state.params, config, mesh, split)
+        eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
+                                                  split=split), state)
         writer.write_scalars(step, eval_metrics)
-        logging.info('step %d: %s accuracy %.4f (top-5 %.4f), %s loss %.4f', step, split,
+        ema = eval_metrics.get(f'{split}_accuracy_ema')
+        logging.info('step %d: %s accuracy %.4f (top-5 %.4f)%s, %s loss %.4f', step, split,
                      eval_metrics[f'{split}_accuracy'], eval_metrics[f'{split}_top5_accuracy'],
-                     split, eval_metrics[f'{split}_loss'])
+                     '' if ema is None else f', EMA {ema:.4f}', split,
+                     eval_metrics[f'{split}_loss'])
         last_metrics.update(eval_metrics)
         timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
       if fewshot_due(config, step):
         eval_start = time.perf_counter()
-        fewshot_metrics = fewshot_eval(state.params)
+        fewshot_metrics = with_ema(fewshot_eval, state)
         writer.write_scalars(step, fewshot_metrics)
         logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
             f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),

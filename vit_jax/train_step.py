@@ -26,6 +26,8 @@ class TrainState:
   params: Any
   opt_state: Any
   rng: jax.Array  # A raw uint32 PRNG key; dropout keys are folded in from it per step.
+  # The exponential moving average of params (config.ema_decay), laid out as they are; None: off.
+  ema: Any = None
 
 
 class Optimizer(NamedTuple):
@@ -89,19 +91,25 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
   ratio = jnp.maximum(ratio, 1 - ratio)
   mix = lambda x: ratio * x + (1 - ratio) * jnp.roll(x, 1, axis=0)
   return {'image': mix(batch['image']), 'label': mix(jax.nn.one_hot(batch['label'], num_classes))}
+def ema_update(ema: Any, params: Any, decay: float) -> Any:
+  """One step of the exponential moving average of the weights: decay * ema + (1 - decay) *
+  params, leaf by leaf."""
+  return jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
 
 
 def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
                        params: Any = None) -> tuple[TrainState, TrainState]:
   """(state, its shardings), initialised on the devices; `params` replaces the fresh ones (they
-  enter the jitted init as arguments, not as constants compiled into it)."""
+  enter the jitted init as arguments, not as constants compiled into it). With a
+  `config.ema_decay` the EMA starts as a copy of the initial params."""
   images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
 
   def init(rng, params):
     if params is None:
       params = model.init(rng, images, train=False)['params']
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1))
+                      opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1),
+                      ema=jax.tree.map(jnp.copy, params) if config.ema_decay else None)
 
   rng = jax.random.PRNGKey(config.seed)
   shardings = sharding.state_shardings(
@@ -119,7 +127,8 @@ def microbatches(batch: Batch, accum_steps: int) -> Batch:
 
 
 def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState, Batch], tuple]:
-  """update(state, batch) -> (state, metrics): forward, backward, optimiser; not yet jitted."""
+  """update(state, batch) -> (state, metrics): forward, backward, optimiser, and the EMA of the
+  params (`ema_update` with config.ema_decay) where the state holds one; not yet jitted."""
 
   def loss_fn(params, images, labels, rng):
     logits = model.apply({'params': params}, images, train=True, rngs={'dropout': rng})
@@ -147,8 +156,10 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
     loss, grads = loss_and_grads(state.params, batch, rng)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = state.replace(step=state.step + 1, opt_state=opt_state,
-                              params=optax.apply_updates(state.params, updates))
+    params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(step=state.step + 1, opt_state=opt_state, params=params)
+    if state.ema is not None:
+      new_state = new_state.replace(ema=ema_update(state.ema, params, config.ema_decay))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # A non-finite step leaves params and optimiser state as they were (the loop then stops).
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
