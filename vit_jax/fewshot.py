@@ -311,7 +311,8 @@ def table(results: dict, shots: Sequence[int]) -> str:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--checkpoint', required=True, help='A .npz checkpoint or a training workdir.')
+  parser.add_argument('--checkpoint', required=True,
+                      help='A .npz checkpoint or a training workdir.')
   parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
   parser.add_argument('--dataset', default=input_pipeline.EMBEDDED_DATASET,
                       help='fashion_mnist_embedded, an image folder or a tfds name.')
