@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import random_params
 from helpers import read_scalars
 from helpers import tiny_config
 from vit_jax import checkpoint
@@ -63,7 +64,7 @@ def test_top5_accuracy():
   # A real model whose head ignores the image: zero kernel, bias ranking class 0 first, 9 last.
   config = tiny_config()
   model = train.build_model(config, num_classes=10)
-  params = train.init_params(config, model, config.pp.crop)
+  params = random_params(model, config.pp.crop)
   params['head'] = {'kernel': np.zeros_like(params['head']['kernel']),
                     'bias': np.arange(10, 0, -1, dtype=np.float32)}
   # Labels 0 (rank 1), 3 and 4 (ranks 4, 5), 5 and 9 (ranks 6, 10); the last example is padding.
