@@ -1,4 +1,7 @@
-"""Installs vit_jax (its registry and default config included). The tested versions are pinned in requirements.txt."""
+"""Installs vit_jax (its registry and default config included).
+
+The tested versions are pinned in requirements.txt.
+"""
 import setuptools
 
 setuptools.setup(

@@ -1,37 +1,20 @@
 """Tests of the numbers behind the figures, vit_jax/analysis.py."""
-import jax
 import numpy as np
 import pytest
 
+from helpers import images_of
+from helpers import random_params
+from helpers import tiny_vit
 from vit_jax import analysis
-from vit_jax import models
-from vit_jax import models_vit
-
-TINY = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
-
-
-def tiny_vit(**overrides):
-  return models_vit.VisionTransformer(num_classes=5, **{**TINY, **overrides})
-
-
-def random_params(model, image_size, seed=0):
-  """Random float32 parameters of the model's shapes at `image_size` (no initialiser is run)."""
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda x: 0.3 * rng.normal(size=x.shape).astype(np.float32),
-                      models.param_shapes(model, image_size))
 
 
 def uniform_attention_params(model, image_size):
   """Random parameters, except zero query projections: every logit is 0, attention is uniform."""
-  params = random_params(model, image_size)
+  params = random_params(model, image_size, scale=0.3)
   for i in range(model.num_layers):
     query = params['Transformer'][f'encoderblock_{i}']['MultiHeadDotProductAttention_0']['query']
     query['kernel'], query['bias'] = 0 * query['kernel'], 0 * query['bias']
   return params
-
-
-def images_of(size=16, batch=2):
-  return np.random.default_rng(0).uniform(-1, 1, (batch, size, size, 3)).astype(np.float32)
 
 
 def identity_attention(tokens, num_layers=3, batch=2, heads=2):

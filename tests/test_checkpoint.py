@@ -8,27 +8,14 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from helpers import TINY_VIT as TINY
+from helpers import images_of
+from helpers import random_params
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import models_vit
 
-TINY = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
 POSEMB = checkpoint.POSEMB_PATH
-
-
-def random_params(model, image_hw, seed=0):
-  """Random nonzero parameters (head and cls included) of `model` for images of `image_hw`.
-
-  Shapes come from jax.eval_shape: nothing is compiled, which keeps the tests fast.
-  """
-  images = jax.ShapeDtypeStruct((1, *image_hw, 3), np.float32)
-  shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), shapes['params'])
-
-
-def images_of(size, batch=2, seed=0):
-  return np.random.default_rng(seed).uniform(-1, 1, (batch, size, size, 3)).astype(np.float32)
 
 
 def flat(params):

@@ -17,8 +17,8 @@ import safetensors
 import safetensors.numpy
 import tensorflow as tf
 
-from test_predict import PHOTOS
-from test_predict import random_params
+from helpers import PHOTOS
+from helpers import random_params
 from vit_jax import checkpoint
 from vit_jax import convert
 from vit_jax import export

@@ -18,15 +18,14 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import TINY_CONFIG
+from helpers import tiny_config
 from vit_jax import config as defaults
 from vit_jax import analysis
 from vit_jax import checkpoint
-from vit_jax import hardware
 from vit_jax import main
 from vit_jax import train
-import tiny_config
 
-TINY_CONFIG = os.path.join(os.path.dirname(__file__), 'tiny_config.py')
 # Long enough to be interrupted in the middle: 150 steps, a checkpoint every 50.
 LONG_RUN = {'total_steps': 150, 'checkpoint_every': 50, 'eval_every': 150, 'keep_checkpoints': 5}
 TIMEOUT = 300  # Seconds any one process may run.
@@ -42,15 +41,22 @@ def main_command(workdir, overrides, *extra):
 class MainProcess:
   """`python -m vit_jax.main` in the background, its output collected, killed after TIMEOUT.
 
-  `command` replaces the tiny config's command line; `limits` are {resource: soft limit}.
+  `command` replaces the tiny config's command line; `limits` are {resource: soft limit};
+  `cores` the CPU cores it may run on (all if None).
   """
 
-  def __init__(self, workdir, overrides, *extra, env=None, command=None, cwd=None, limits=None):
+  def __init__(self, workdir, overrides, *extra, env=None, command=None, cwd=None, limits=None,
+               cores=None):
+    def restrict():
+      for r, soft in (limits or {}).items():
+        resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
+      if cores:
+        os.sched_setaffinity(0, cores)
+
     self.process = subprocess.Popen(
         command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, cwd=cwd,
-        preexec_fn=limits and (lambda: [resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
-                                        for r, soft in limits.items()]))
+        preexec_fn=restrict if limits or cores else None)
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -91,9 +97,7 @@ def run_main(workdir, overrides, *extra, **kwargs):
 def uninterrupted(tmp_path_factory):
   """The workdir of the long run trained in one go, in this process (the same 8 CPU devices)."""
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  config = tiny_config.get_config()
-  config.update(LONG_RUN)
-  train.train_and_evaluate(config, str(workdir))
+  train.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))
   return workdir
 
 
@@ -157,31 +161,31 @@ def test_unknown_config_field_lists_the_fields_of_its_group():
       '--config.pp.crop is not a group of fields, so --config.pp.crop.size cannot be set.')
 
 
-def test_one_process_on_a_cpu_host_trains_on_one_device_per_core_that_fits(tmp_path):
-  short = {'total_steps': 2, 'eval_every': 2, 'checkpoint_every': 2, 'batch': 6, 'batch_eval': 6,
-           'test_split': 'test[:12]'}
-  process = MainProcess(tmp_path, short, env={'XLA_FLAGS': ''})  # conftest.py's 8 devices off.
-  assert process.finish() == 0, process.log
-  devices = max(n for n in range(1, hardware.cpu_cores() + 1) if 6 % n == 0)
-  assert f"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices." in process.log
-
-
-@pytest.mark.parametrize('signal_name', ['SIGTERM', 'SIGINT'])  # A preemption, Ctrl-C.
-def test_signal_checkpoints_exits_0_and_the_printed_command_resumes(signal_name, tmp_path,
-                                                                    uninterrupted):
-  run = MainProcess(tmp_path, LONG_RUN)
+def interrupt(workdir, signal_name):
+  """The log of the long run in `workdir`, sent `signal_name` at step 20; checks it exits 0."""
+  run = MainProcess(workdir, LONG_RUN)
   run.wait_for(lambda: 'step 20/150' in run.log, 'step 20')
   run.process.send_signal(getattr(signal, signal_name))
   assert run.finish() == 0, run.log
   assert 'Preempted at step' in run.log and f'({signal_name})' in run.log
-  assert not os.path.exists(tmp_path / 'model.npz')
+  assert not os.path.exists(workdir / 'model.npz')
+  return run.log
 
-  command = shlex.split(run.log.split('To resume: ')[1].splitlines()[0])
+
+def test_sigterm_checkpoints_exits_0_and_the_printed_command_resumes(tmp_path, uninterrupted):
+  log = interrupt(tmp_path, 'SIGTERM')  # A preemption.
+  command = shlex.split(log.split('To resume: ')[1].splitlines()[0])
   assert command[:3] == ['python', '-m', 'vit_jax.main']
   status, log = run_main(None, {}, command=[sys.executable, *command[1:]])
   assert status == 0, log
   assert 'Resuming from step' in log
   assert_same_params(tmp_path, uninterrupted)
+
+
+def test_ctrl_c_checkpoints_and_exits_0(tmp_path):
+  log = interrupt(tmp_path, 'SIGINT')  # Resumes as after SIGTERM (the test above).
+  step = int(log.split('Preempted at step ')[1].split()[0])
+  assert str(step) in os.listdir(tmp_path / 'checkpoints')
 
 
 def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
@@ -204,13 +208,18 @@ def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
 def test_the_same_command_without_workdir_resumes_in_a_workdir_named_after_the_config(
     tmp_path):
   short = {'total_steps': 2, 'eval_every': 2, 'checkpoint_every': 2, 'progress_every': 1,
-           'test_split': 'test[:64]', 'batch_eval': 64}
-  status, log = run_main(None, short, cwd=tmp_path)
+           'batch': 6, 'test_split': 'test[:64]', 'batch_eval': 64}
+  # On 2 cores, without conftest.py's 8 devices: one CPU device per core (2 divides the batch).
+  cores = set(sorted(os.sched_getaffinity(0))[:2])
+  one_device_per_core = {'env': {'XLA_FLAGS': ''}, 'cores': cores, 'cwd': tmp_path}
+  status, log = run_main(None, short, **one_device_per_core)
   assert status == 0, log
+  devices = len(cores)
+  assert f"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices." in log
   workdir = tmp_path / 'workdirs' / 'tiny_config'
   assert os.listdir(workdir / 'checkpoints') == ['2']
 
-  status, log = run_main(None, short, cwd=tmp_path)
+  status, log = run_main(None, short, **one_device_per_core)
   assert status == 0, log
   assert 'Resuming from step 2' in log
   done = log.split('Done: ')[1].splitlines()[0]

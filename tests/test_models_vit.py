@@ -10,28 +10,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from helpers import TINY_VIT as TINY
+from helpers import images_of
+from helpers import random_params
+from helpers import tiny_vit
 from vit_jax import checkpoint
 from vit_jax import models_vit
 from vit_jax import models_resnet
-
-TINY = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
-
-
-def tiny_vit(**overrides):
-  return models_vit.VisionTransformer(num_classes=5, **{**TINY, **overrides})
-
-
-def random_params(model, images, seed=0):
-  """Initialised parameters, with every leaf (head and cls included) made random and nonzero."""
-  params = model.init(jax.random.key(seed), images, train=False)['params']
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  return jax.tree.unflatten(
-      tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-
-
-def images_of(size=16, batch=2, seed=0):
-  return jax.random.uniform(jax.random.key(seed), (batch, size, size, 3), minval=-1, maxval=1)
 
 
 # A hand-written reference of equations (1)-(4) of the paper, in numpy.
@@ -79,7 +64,7 @@ def np_vit(image, params, patch):
 
 def test_matches_equations_1_to_4():
   model, images = tiny_vit(), images_of()
-  params = random_params(model, images)
+  params = random_params(model, images.shape[1:3], scale=0.3)
   logits = model.apply({'params': params}, images, train=False)
   expected = np.stack([np_vit(np.asarray(x), params, patch=4) for x in images])
   np.testing.assert_allclose(logits, expected, rtol=2e-4, atol=2e-4)
@@ -106,7 +91,7 @@ def test_parameter_tree_is_the_published_one():
 
 def test_exact_gelu_differs_from_tanh_approximation():
   images = images_of()
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   tanh = tiny_vit().apply({'params': params}, images, train=False)
   exact = tiny_vit(approximate_gelu=False).apply({'params': params}, images, train=False)
   assert not np.allclose(tanh, exact, atol=1e-6)
@@ -124,7 +109,7 @@ def test_output_shape_of_each_classifier(classifier, shape):
 
 def test_dropout_only_in_training_and_deterministic_per_rng():
   model, images = tiny_vit(dropout_rate=0.3, attention_dropout_rate=0.3), images_of()
-  variables = {'params': random_params(model, images)}
+  variables = {'params': random_params(model, images.shape[1:3], scale=0.3)}
   evals = [model.apply(variables, images, train=False) for _ in range(2)]
   np.testing.assert_array_equal(evals[0], evals[1])
   train = lambda seed: model.apply(variables, images, train=True,
@@ -136,7 +121,7 @@ def test_dropout_only_in_training_and_deterministic_per_rng():
 
 def test_bfloat16_compute_is_close_to_float32():
   images = images_of()
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   f32 = tiny_vit().apply({'params': params}, images, train=False)
   bf16_model = tiny_vit(dtype=jnp.bfloat16)
   bf16 = bf16_model.apply({'params': params}, images, train=False)
@@ -149,7 +134,7 @@ def test_bfloat16_compute_is_close_to_float32():
 
 def test_attention_weights_are_sown_on_request():
   model, images = tiny_vit(), images_of()
-  variables = {'params': random_params(model, images)}
+  variables = {'params': random_params(model, images.shape[1:3], scale=0.3)}
   logits, state = model.apply(variables, images, train=False, mutable=['intermediates'])
   np.testing.assert_allclose(logits, model.apply(variables, images, train=False), atol=1e-5)
   weights = state['intermediates']['Transformer']['encoderblock_1'][
@@ -166,7 +151,7 @@ def test_image_not_divisible_by_patch_size_is_a_clear_error():
 
 def test_uint8_images_are_a_clear_error():
   model, images = tiny_vit(), images_of()
-  variables = {'params': random_params(model, images)}
+  variables = {'params': random_params(model, images.shape[1:3], scale=0.3)}
   pixels = np.asarray((images + 1) * 127.5, np.uint8)
   with pytest.raises(ValueError, match=r'Expected float images with values in \[-1, 1\], got '
                                        r'uint8: scale them first, e.g. images / 127.5 - 1'):
@@ -229,7 +214,7 @@ def test_weight_standardisation_gives_zero_mean_unit_std_per_output_channel():
 
 def test_scanned_blocks_give_the_same_logits_from_stacked_params():
   images = images_of()
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   scanned_model = tiny_vit(scan_layers=True)
   shapes = jax.eval_shape(lambda: scanned_model.init(jax.random.key(0), images, train=False))
   block = shapes['params']['Transformer']['encoderblock']
@@ -247,7 +232,7 @@ def test_scanned_blocks_give_the_same_logits_from_stacked_params():
     dict(patch_size=(1, 1), resnet_layers=(), resnet_width_factor=0.5)])
 def test_features_are_what_the_head_maps_to_the_logits(overrides):
   model, images = tiny_vit(**overrides), images_of()
-  params = random_params(model, images)
+  params = random_params(model, images.shape[1:3], scale=0.3)
   features = model.apply({'params': params}, images, method='features')
   assert features.shape == (2, overrides.get('representation_size', 12))
   head = params['head']
@@ -258,7 +243,7 @@ def test_features_are_what_the_head_maps_to_the_logits(overrides):
 
 def test_features_agree_between_scanned_and_unscanned_blocks_and_under_sharded_jit():
   images = images_of(batch=8)
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   features = tiny_vit().apply({'params': params}, images, method='features')
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   scanned = jax.jit(
@@ -271,7 +256,7 @@ def test_features_agree_between_scanned_and_unscanned_blocks_and_under_sharded_j
 
 def test_scanned_blocks_sow_attention_weights_stacked_over_layers():
   images = images_of()
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   _, state = tiny_vit().apply({'params': params}, images, train=False, mutable=['intermediates'])
   _, scanned_state = tiny_vit(scan_layers=True).apply(
       {'params': checkpoint.scan_blocks(params)}, images, train=False, mutable=['intermediates'])
@@ -290,7 +275,7 @@ def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout_rate):
   model = tiny_vit(scan_layers=scan_layers, dropout_rate=dropout_rate,
                    attention_dropout_rate=dropout_rate)
   images = images_of()
-  params = random_params(model, images)
+  params = random_params(model, images.shape[1:3], scale=0.3)
 
   def loss_and_grads(model):
     loss = lambda p: jnp.sum(model.apply({'params': p}, images, train=True,
@@ -318,7 +303,7 @@ def saved_activations(model, params, images):
 @pytest.mark.parametrize('scan_layers', [False, True])
 def test_remat_policies_keep_fewer_activations_for_the_backward_pass(scan_layers):
   images = images_of()
-  params = random_params(tiny_vit(scan_layers=scan_layers), images)
+  params = random_params(tiny_vit(scan_layers=scan_layers), images.shape[1:3], scale=0.3)
   kept = {policy: saved_activations(tiny_vit(scan_layers=scan_layers, remat_policy=policy),
                                     params, images)
           for policy in (None, 'dots_saveable', 'nothing_saveable')}
@@ -370,7 +355,7 @@ def test_auto_attention_is_cudnn_only_on_nvidia_gpus():
 def test_cudnn_attention_where_it_does_not_fit_runs_xla_attention_on_cpu():
   # float32, and in bfloat16 a head size of 4: cuDNN takes neither, so nothing asks for it.
   images = images_of()
-  params = random_params(tiny_vit(), images)
+  params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   for dtype in (jnp.float32, jnp.bfloat16):
     np.testing.assert_array_equal(
         tiny_vit(attention='cudnn', dtype=dtype).apply({'params': params}, images, train=True),

@@ -1,27 +1,18 @@
 """Tests of the command-line classifier, vit_jax/predict.py, on the real photos in tests/data."""
-import os
 import re
 
 import jax
 import numpy as np
 import pytest
 
+from helpers import PHOTOS
+from helpers import random_params
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import predict
 
-DATA = os.path.join(os.path.dirname(__file__), 'data')
-PHOTOS = [os.path.join(DATA, name) for name in
-          ('imagenet_00_243.jpg', 'imagenet_02_438.jpg', 'imagenet_14_129.jpg', 'cifar10_00_3.png')]
 LABELS = ['ant', 'bee', 'cat', 'dog', 'eel']
-
-
-def random_params(model, image_size, seed=0):
-  """Random nonzero parameters of `model` at `image_size`, from shapes (nothing compiled)."""
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
-                      models.param_shapes(model, image_size))
 
 
 @pytest.fixture(name='files')

@@ -31,7 +31,8 @@ def specs_of(strategy, mesh_model=1):
   mesh = train.make_mesh(config)
   model = train.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
-  state = jax.eval_shape(lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
+  state = jax.eval_shape(
+      lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
   axes = sharding.param_axes(sharding.declared_params(model, 28))
   shardings = sharding.state_shardings(state, axes, mesh, strategy, config.logical_axis_rules)
   return jax.tree.map(lambda s: s.spec, shardings.params), shardings
@@ -195,7 +196,8 @@ def test_the_train_step_constrains_activations_between_blocks_and_nothing_else_d
   mesh = train.make_mesh(config)
   model = train.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
-  state = jax.eval_shape(lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
+  state = jax.eval_shape(
+      lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
   axes = sharding.param_axes(sharding.declared_params(model, 28))
   shardings = sharding.state_shardings(state, axes, mesh, 'tensor', config.logical_axis_rules)
   batch = {'image': jax.ShapeDtypeStruct((config.batch, 28, 28, 3), np.float32),

@@ -4,14 +4,14 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-import tiny_config as tiny_config_file
-from vit_jax import analysis
+from helpers import random_params
+from helpers import read_scalars
+from helpers import tiny_config
 from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import fewshot
@@ -22,36 +22,16 @@ from vit_jax import train
 from vit_jax import train_step
 
 
-def tiny_config(**overrides):
-  config = tiny_config_file.get_config()
-  config.update(overrides)
-  return config
-
-
-def read_scalars(workdir):
-  """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
-  return {tag: dict(zip(steps.tolist(), values.tolist()))
-          for tag, (steps, values) in analysis.read_scalars(workdir).items()}
-
-
-@pytest.fixture(scope='module')
-def trained_workdir(tmp_path_factory):
-  """A short run of the tiny model; shared by the tests that read what it wrote."""
-  workdir = str(tmp_path_factory.mktemp('run'))
-  metrics = train.train_and_evaluate(tiny_config(), workdir)
-  return workdir, metrics
-
-
-def test_short_run_learns(trained_workdir):
-  workdir, metrics = trained_workdir
+def test_short_run_learns(trained_run):
+  workdir, metrics = trained_run
   losses = read_scalars(workdir)['train_loss']
   assert losses[60] < losses[20] < np.log(10)  # Chance-level loss is log(10).
   assert losses[60] < 0.7 * np.log(10)
   assert metrics['test_accuracy'] > 0.4  # Chance is 0.1.
 
 
-def test_metrics_reach_tensorboard(trained_workdir):
-  workdir, _ = trained_workdir
+def test_metrics_reach_tensorboard(trained_run):
+  workdir, _ = trained_run
   scalars = read_scalars(workdir)
   for tag in ('train_loss', 'learning_rate', 'grad_norm', 'images_per_second', 'mfu'):
     assert sorted(scalars[tag]) == [20, 40, 60], tag
@@ -64,42 +44,27 @@ def test_metrics_reach_tensorboard(trained_workdir):
                              1e-2 * (1 + np.cos(np.pi * 14 / 55)) / 2, rtol=1e-5)
 
 
-def test_run_writes_checkpoints_and_published_npz(trained_workdir):
-  workdir, _ = trained_workdir
+def test_run_writes_checkpoints_and_published_npz(trained_run):
+  workdir, _ = trained_run
   steps = sorted(os.listdir(os.path.join(workdir, 'checkpoints')))
   assert steps == ['40', '60']  # keep_checkpoints = 2
   params = checkpoint.load(os.path.join(workdir, 'model.npz'))
   assert params['head']['kernel'].shape == (32, 10)
 
 
-def test_model_npz_carries_the_spec_of_the_trained_model(trained_workdir):
-  workdir, _ = trained_workdir
+def test_model_npz_carries_the_spec_of_the_trained_model(trained_run):
+  workdir, _ = trained_run
   model, _ = checkpoint.load_model(workdir)  # No model name: tests/tiny_config.py's model.
   assert (model.patch_size, model.hidden_size, model.mlp_dim, model.num_heads,
           model.num_layers, model.num_classes) == ((7, 7), 32, 64, 2, 1, 10)
   assert checkpoint.read_spec(os.path.join(workdir, 'model.npz'))['name'] == 'tiny'
 
 
-def test_resume_ends_with_the_same_params_as_an_uninterrupted_run(trained_workdir, tmp_path):
-  workdir, _ = trained_workdir
-  interrupted = str(tmp_path)
-  config = tiny_config(keep_checkpoints=5)
-  train.train_and_evaluate(config, interrupted)
-  # As if the run had died after its step-20 checkpoint: drop what came later.
-  for step in ('40', '60'):
-    subprocess.run(['rm', '-r', os.path.join(interrupted, 'checkpoints', step)], check=True)
-  os.remove(os.path.join(interrupted, 'model.npz'))
-  train.train_and_evaluate(config, interrupted)
-  resumed = checkpoint.load(os.path.join(interrupted, 'model.npz'))
-  uninterrupted = checkpoint.load(os.path.join(workdir, 'model.npz'))
-  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted)
-
-
 def test_top5_accuracy():
   # A real model whose head ignores the image: zero kernel, bias ranking class 0 first, 9 last.
   config = tiny_config()
   model = train.build_model(config, num_classes=10)
-  params = train.init_params(config, model, config.pp.crop)
+  params = random_params(model, config.pp.crop)
   params['head'] = {'kernel': np.zeros_like(params['head']['kernel']),
                     'bias': np.arange(10, 0, -1, dtype=np.float32)}
   # Labels 0 (rank 1), 3 and 4 (ranks 4, 5), 5 and 9 (ranks 6, 10); the last example is padding.
@@ -109,10 +74,13 @@ def test_top5_accuracy():
   assert (sums['correct'], sums['correct_top5'], sums['count']) == (1, 3, 5)
 
 
-def test_val_split_is_evaluated_on_its_own_cadence(tmp_path):
+def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, caplog):
   config = tiny_config(train_split='train[:95%]', val_split='train[95%:]', val_every=20,
                        checkpoint_every=60)
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  config.fewshot.update(datasets=('fashion_mnist_embedded',), shots=(1, 5), every=30,
+                        num_test=500)
+  with caplog.at_level('INFO'):
+    metrics = train.train_and_evaluate(config, str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   for tag in ('val_accuracy', 'val_top5_accuracy', 'val_loss'):
     assert sorted(scalars[tag]) == [20, 40, 60], tag
@@ -121,14 +89,6 @@ def test_val_split_is_evaluated_on_its_own_cadence(tmp_path):
   assert metrics['val_accuracy'] > 0.4 and metrics['test_accuracy'] > 0.4  # Chance is 0.1.
   assert metrics['val_loss'] != metrics['test_loss']  # Other images.
 
-
-def test_fewshot_evaluation_in_training_matches_the_fewshot_command(tmp_path, caplog):
-  config = tiny_config(checkpoint_every=60)
-  config.fewshot.update(datasets=('fashion_mnist_embedded',), shots=(1, 5), every=30,
-                        num_test=500)
-  with caplog.at_level('INFO'):
-    metrics = train.train_and_evaluate(config, str(tmp_path))
-  scalars = read_scalars(str(tmp_path))
   for k in (1, 5):
     assert sorted(scalars[f'fewshot/fashion_mnist_embedded_{k}shot']) == [30, 60]
   assert re.search(r'step 60: few-shot linear accuracy fashion_mnist_embedded_1shot [\d.]+, '
@@ -201,8 +161,8 @@ def test_rematerialised_scanned_layers_train_like_stored_ones():
   np.testing.assert_allclose(loss_curve(configs[0]), loss_curve(configs[1]), rtol=1e-5)
 
 
-def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
-  workdir, _ = trained_workdir
+def test_fine_tune_from_npz_at_another_resolution(trained_run, tmp_path):
+  workdir, _ = trained_run
   config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
                        pretrained_path=os.path.join(workdir, 'model.npz'))
   config.pp.crop = 56
@@ -213,8 +173,8 @@ def test_fine_tune_from_npz_at_another_resolution(trained_workdir, tmp_path):
 
 
 @pytest.mark.parametrize('given', ['model.npz', 'the workdir'])
-def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir, given):
-  workdir, _ = trained_workdir
+def test_pretrained_keep_head_starts_from_the_trained_head(trained_run, given):
+  workdir, _ = trained_run
   path = os.path.join(workdir, 'model.npz') if given == 'model.npz' else workdir
   config = tiny_config(pretrained_path=path, pretrained_keep_head=True)
   train.validate_config(config, 8)
@@ -224,15 +184,15 @@ def test_pretrained_keep_head_starts_from_the_trained_head(trained_workdir, give
   np.testing.assert_array_equal(params['head']['kernel'], trained['head']['kernel'])
 
 
-def npz_without_spec(trained_workdir, tmp_path) -> str:
+def npz_without_spec(trained_run, tmp_path) -> str:
   """The trained run's params saved again without a model spec, as the published files are."""
   path = str(tmp_path / 'converted.npz')
-  checkpoint.save(checkpoint.load(os.path.join(trained_workdir[0], 'model.npz')), path)
+  checkpoint.save(checkpoint.load(os.path.join(trained_run[0], 'model.npz')), path)
   return path
 
 
-def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_workdir, tmp_path):
-  params = checkpoint.load(os.path.join(trained_workdir[0], 'model.npz'))
+def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_run, tmp_path):
+  params = checkpoint.load(os.path.join(trained_run[0], 'model.npz'))
   converted = str(tmp_path / 'converted.npz')  # As vit_jax.convert writes it: exact GELU.
   exact = train.build_model(tiny_config(), num_classes=10).clone(approximate_gelu=False)
   checkpoint.save(params, converted, spec=models.model_spec(exact, 'tiny'))
@@ -240,9 +200,9 @@ def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_workdir, 
   assert not train.build_model(config, num_classes=10).approximate_gelu
 
 
-def test_fine_tune_reads_deprecated_overrides_and_saves_them_in_the_spec(trained_workdir,
+def test_fine_tune_reads_deprecated_overrides_and_saves_them_in_the_spec(trained_run,
                                                                         tmp_path):
-  converted = npz_without_spec(trained_workdir, tmp_path)
+  converted = npz_without_spec(trained_run, tmp_path)
   checkpoint.save_model_overrides({'approximate_gelu': False}, converted)  # Older converters.
   config = tiny_config(total_steps=2, eval_every=2, checkpoint_every=2, progress_every=1,
                        pretrained_path=converted)
@@ -251,8 +211,8 @@ def test_fine_tune_reads_deprecated_overrides_and_saves_them_in_the_spec(trained
   assert not model.approximate_gelu
 
 
-def test_unreadable_model_overrides_are_a_config_error(trained_workdir, tmp_path):
-  converted = npz_without_spec(trained_workdir, tmp_path)
+def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
+  converted = npz_without_spec(trained_run, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
   with pytest.raises(train.ConfigError, match=r'converted.overrides.json is not a '
                                               r'model-overrides record'):
@@ -354,8 +314,8 @@ def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
     train.train_and_evaluate(config, str(tmp_path))
 
 
-def test_pretrained_file_of_another_architecture_is_a_config_error(trained_workdir, tmp_path):
-  workdir, _ = trained_workdir
+def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, tmp_path):
+  workdir, _ = trained_run
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
   config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
   with pytest.raises(train.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
@@ -376,10 +336,10 @@ def test_unknown_dataset_is_a_config_error(tmp_path):
     train.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))
 
 
-def copy_of_run(trained_workdir, tmp_path) -> str:
+def copy_of_run(trained_run, tmp_path) -> str:
   """A copy of the trained run's workdir: checkpoints 40 and 60, config.json, model.npz."""
   copy = str(tmp_path / 'run')
-  shutil.copytree(trained_workdir[0], copy)
+  shutil.copytree(trained_run[0], copy)
   return copy
 
 
@@ -406,8 +366,8 @@ def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeyp
 
 
 def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_json(
-    trained_workdir, tmp_path):
-  workdir = copy_of_run(trained_workdir, tmp_path)
+    trained_run, tmp_path):
+  workdir = copy_of_run(trained_run, tmp_path)
   saved_config = open(os.path.join(workdir, 'config.json')).read()
   config = tiny_config(batch=32)
   config.model.transformer.num_layers = 2
@@ -420,9 +380,9 @@ def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_js
   assert open(os.path.join(workdir, 'config.json')).read() == saved_config
 
 
-def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_workdir, tmp_path,
+def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tmp_path,
                                                                   caplog):
-  workdir = copy_of_run(trained_workdir, tmp_path)
+  workdir = copy_of_run(trained_run, tmp_path)  # Also the test of resuming.
   for folder, _, names in os.walk(os.path.join(workdir, 'checkpoints', '60', 'state')):
     for name in names if os.path.basename(folder) == 'd' else ():  # TensorStore's data files.
       os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
@@ -434,14 +394,14 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_workdir
   assert checkpoint_steps(workdir) == [40, 60]
   # Resumed from step 40, the run ends where the uninterrupted one did.
   jax.tree.map(np.testing.assert_array_equal, checkpoint.load(os.path.join(workdir, 'model.npz')),
-               checkpoint.load(os.path.join(trained_workdir[0], 'model.npz')))
+               checkpoint.load(os.path.join(trained_run[0], 'model.npz')))
 
 
-def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained_workdir,
+def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained_run,
                                                                         tmp_path):
-  workdir = copy_of_run(trained_workdir, tmp_path)
+  workdir = copy_of_run(trained_run, tmp_path)
   metrics = train.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
-  assert metrics['test_accuracy'] == trained_workdir[1]['test_accuracy']
+  assert metrics['test_accuracy'] == trained_run[1]['test_accuracy']
   assert checkpoint_steps(workdir) == [60]
 
 

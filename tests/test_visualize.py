@@ -2,16 +2,16 @@
 import json
 import os
 
-import jax
 import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
 
+from helpers import random_params
+from helpers import tiny_config
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import visualize
-import tiny_config
 
 MODEL_FIGURES = ['attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
                  'mean_attention_distance', 'embedding_filters']
@@ -28,9 +28,7 @@ TINY_HYBRID_GAP = {
 
 def save_random_checkpoint(model, image_size, path):
   """Random parameters of the model at `image_size`, saved in the published .npz layout."""
-  rng = np.random.default_rng(0)
-  checkpoint.save(jax.tree.map(lambda x: 0.3 * rng.normal(size=x.shape).astype(np.float32),
-                               models.param_shapes(model, image_size)), path)
+  checkpoint.save(random_params(model, image_size, scale=0.3), path)
 
 
 def write_images(folder):
@@ -76,10 +74,8 @@ def test_npz_checkpoint_writes_every_model_figure(tmp_path, capsys):
 
 @pytest.mark.parametrize('image_size', [28, 56])
 def test_titles_fit_maps_cover_images_and_grey_filters_are_grey(image_size):
-  model = models.get_model(tiny_config.get_config().model, num_classes=10)
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
-                        models.param_shapes(model, image_size))
+  model = models.get_model(tiny_config().model, num_classes=10)
+  params = random_params(model, image_size)
   name = '20261130-211425-c4l97bb5'  # A timestamped workdir's name.
   figures = visualize.model_figures(model, params, image_size,
                                     visualize.embedded_images(3, image_size), name,

@@ -5,7 +5,8 @@ N heads, K = D/N head size, M MLP size. Images are NHWC floats in [-1, 1].
 
 The parameter tree is the one of the published checkpoints:
 `embedding`, `cls`, `Transformer/posembed_input/pos_embedding`,
-`Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0}`,
+`Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
+MlpBlock_0}`,
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
 `conv_root`, `gn_root`, `block{i}/unit{j}/...`. With `scan_layers=True` the blocks are instead
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).

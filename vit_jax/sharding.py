@@ -57,8 +57,8 @@ LogicalNames = tuple[Optional[str], ...]
 def with_axes(init: Callable, *names: Optional[str]) -> Callable:
   """`init`, declaring the logical name of each dimension of the parameter it makes (None for
   a dimension never split). The names reach the parameter, as an `nn.LogicallyPartitioned`
-  box, only while `declared_params` traces the model; otherwise `init` gives the plain array, so that
-  parameter trees stay those of the published checkpoints."""
+  box, only while `declared_params` traces the model; otherwise `init` gives the plain array, so
+  that parameter trees stay those of the published checkpoints."""
   boxed = nn.with_logical_partitioning(init, names)
   return lambda *args: boxed(*args) if _DECLARING.get() else init(*args)
 

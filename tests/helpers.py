@@ -1,0 +1,60 @@
+"""What many tests share: tiny models, random parameters and images, the tiny training run.
+
+Import it from a test file (`import helpers`; pytest puts tests/ on the path). The trained
+run itself is the session fixture `trained_run` of conftest.py.
+"""
+import os
+
+import jax
+import numpy as np
+
+from vit_jax import analysis
+from vit_jax import models_vit
+import tiny_config as tiny_config_file
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(TESTS, 'data')
+TINY_CONFIG = os.path.join(TESTS, 'tiny_config.py')  # A --config= file.
+# Real photos: two ImageNet validation images (classes 243 and 438), one of class 129, and a
+# 32x32 CIFAR-10 test image (class 3).
+PHOTOS = [os.path.join(DATA, name) for name in
+          ('imagenet_00_243.jpg', 'imagenet_02_438.jpg', 'imagenet_14_129.jpg', 'cifar10_00_3.png')]
+# A ViT of 4x4 patches, 16 px images in 16 tokens (+ class token), 2 layers of 3 heads.
+TINY_VIT = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
+
+
+def tiny_vit(num_classes=5, **overrides) -> models_vit.VisionTransformer:
+  """The TINY_VIT model with `overrides` of its fields."""
+  return models_vit.VisionTransformer(num_classes=num_classes, **{**TINY_VIT, **overrides})
+
+
+def random_params(model, image_size, seed=0, scale=1.0):
+  """Random nonzero float32 parameters (head and cls included) of `model` for square images of
+  `image_size` pixels, or (height, width); normal with standard deviation `scale`.
+
+  Only the shapes come from the model (jax.eval_shape): nothing is compiled.
+  """
+  height, width = (image_size, image_size) if np.isscalar(image_size) else image_size
+  images = jax.ShapeDtypeStruct((1, height, width, 3), np.float32)
+  shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: scale * rng.normal(size=x.shape).astype(np.float32),
+                      shapes['params'])
+
+
+def images_of(size=16, batch=2, seed=0) -> np.ndarray:
+  """(batch, size, size, 3) float32 images, uniform in [-1, 1] as the input pipeline scales."""
+  return np.random.default_rng(seed).uniform(-1, 1, (batch, size, size, 3)).astype(np.float32)
+
+
+def tiny_config(**overrides):
+  """The config of tests/tiny_config.py (the tiny model on the embedded Fashion-MNIST), updated."""
+  config = tiny_config_file.get_config()
+  config.update(overrides)
+  return config
+
+
+def read_scalars(workdir) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
+  return {tag: dict(zip(steps.tolist(), values.tolist()))
+          for tag, (steps, values) in analysis.read_scalars(str(workdir)).items()}
