@@ -26,8 +26,9 @@ Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-st
 (5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
 (`pp.flip`), then applies RandAugment where `pp.randaug` is set (vit_jax/randaugment.py, keyed
 like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
-to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels int32 class indices (the loss
-takes them as they are, or one-hot via `jax.nn.one_hot(label, num_classes)`).
+to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels
+int32 class indices (the loss takes them as they are, or one-hot via
+`jax.nn.one_hot(label, num_classes)`).
 """
 import collections
 import dataclasses
