@@ -40,7 +40,7 @@ def test_held_out_images_that_choose_the_l2_are_never_among_the_shots(tiny):
   is_shot, is_held_out = (np.concatenate([np.asarray(b[name]) for b in batches])
                           for name in ('shots', 'holdout'))
   used = (is_shot + is_held_out).max(1) > 0
-  assert np.allclose(distances[used].min(1), 0, atol=1e-6)  # Real rows are training images.
+  assert np.all(distances[used].min(1) < 1e-3)  # Real rows are training images (others: > 1).
   for c, (k, seed) in enumerate((k, seed) for k in SHOTS for seed in SEEDS):
     shots, held_out = index[is_shot[:, c] > 0], index[is_held_out[:, c] > 0]
     assert not set(shots) & set(held_out)
