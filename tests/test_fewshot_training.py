@@ -3,6 +3,7 @@ import functools
 
 import jax
 import numpy as np
+from PIL import Image
 import pytest
 
 from vit_jax import fewshot
@@ -78,3 +79,21 @@ def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
   assert str(error.value) == (
       "config.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
       "evaluation needs one vector per image: a 'token' or 'gap' model.")
+
+
+def test_an_image_folder_is_a_fewshot_dataset(tiny, tmp_path):
+  _, model, params = tiny
+  folder = tmp_path / 'three_classes'
+  with np.load(sources.EMBEDDED_PATH) as data:
+    for split, count in (('train', 15), ('test', 10)):
+      labels = data[f'{split}_labels']
+      for class_id in (1, 7, 8):  # Trouser, sneaker, bag.
+        (folder / split / f'class{class_id}').mkdir(parents=True)
+        for i, image in enumerate(data[f'{split}_images'][labels == class_id][:count]):
+          Image.fromarray(image).save(folder / split / f'class{class_id}' / f'{i}.png')
+  config = tiny_config.get_config()
+  config.batch_eval = 200
+  config.fewshot.update(datasets=(str(folder),), shots=(5,), train_split='train', num_test=None)
+  metrics = train.evaluate_fewshot(model, params, config, train.make_mesh(config))
+  assert list(metrics) == ['fewshot/three_classes_5shot']
+  assert metrics['fewshot/three_classes_5shot'] > 0.6  # Chance is 1/3.
