@@ -13,9 +13,12 @@ the first k are the k shots (so shots nest, the 1-shot image is among the 5 shot
 looked at before the final score. Results are the mean and the standard deviation over seeds.
 
 Memory: the training side holds the features of the drawn images only, at most
-seeds x classes x (max shots + holdout) rows, never those of the whole split (its labels are read
-once); the regression keeps sums of X^T X and X^T Y; the test split streams through the device
-and leaves only counts of correct predictions.
+seeds x classes x (max shots + holdout) rows, on the devices and split across them, never those
+of the whole split (its labels are read once); the regressions keep sums of X^T X and X^T Y; the
+test split streams through the devices and leaves only counts of correct predictions.
+
+Several processes (JAX's multi-process runtime) each read their share of the images; the sums
+reduce across processes inside the jitted computations, and every process gets the same results.
 """
 import argparse
 import functools
