@@ -20,7 +20,7 @@ from vit_jax import train
 import tiny_config
 
 NUM_PROCESSES = 2
-TIMEOUT = 240  # Seconds the worker processes may take together.
+TIMEOUT = 600  # Seconds the worker processes may take together (on a loaded 2-core machine).
 
 
 def config_and_params():
