@@ -23,7 +23,9 @@ def test_solver_matches_numpy_least_squares_with_an_unregularised_bias():
   rng = np.random.default_rng(0)
   x = (rng.normal(size=(70, 6)) + 3).astype(np.float32)
   labels = rng.integers(0, 4, size=70)
-  stats = fewshot.statistics(x, labels, 4, batch=16)  # Sums over 5 batches, the last partial.
+  stats = fewshot.zero_statistics(6, 4)
+  for rows in np.array_split(np.arange(70), 5):  # Sums over 5 batches.
+    stats = fewshot.accumulate(stats, x[rows], fewshot.targets(labels[rows], 4), np.ones(14))
   w, b = fewshot.solve(stats, 0.5)
   # min ||[x 1] [w; b] - y||^2 + 0.5 ||w||^2 as one least-squares problem, in float64.
   y = np.where(np.eye(4)[labels] > 0, 1.0, -1.0)

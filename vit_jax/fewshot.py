@@ -13,11 +13,15 @@ the first k are the k shots (so shots nest, the 1-shot image is among the 5 shot
 looked at before the final score. Results are the mean and the standard deviation over seeds.
 
 Memory: the training side holds the features of the drawn images only, at most
-seeds x classes x (max shots + holdout) rows, never those of the whole split (its labels are read
-once); the regression keeps sums of X^T X and X^T Y; the test split streams through the device
-and leaves only counts of correct predictions.
+seeds x classes x (max shots + holdout) rows, on the devices and split across them, never those
+of the whole split (its labels are read once); the regressions keep sums of X^T X and X^T Y; the
+test split streams through the devices and leaves only counts of correct predictions.
+
+Several processes (JAX's multi-process runtime) each read their share of the images; the sums
+reduce across processes inside the jitted computations, and every process gets the same results.
 """
 import argparse
+import functools
 import json
 import sys
 import time
@@ -48,6 +52,7 @@ class Statistics(NamedTuple):
   """Sums over the training rows, of features x (D,) shifted by a fixed vector, and targets y (K,).
 
   count: (); sum_x: (D,); sum_y: (K,); xtx: (D, D), sum of x x^T; xty: (D, K), sum of x y^T.
+  With a leading axis (C,) on each: the sums of C regressions.
   """
   count: jax.Array
   sum_x: jax.Array
@@ -61,9 +66,11 @@ def targets(labels: jax.Array, num_classes: int) -> jax.Array:
   return 2 * jax.nn.one_hot(labels, num_classes) - 1
 
 
-def zero_statistics(dim: int, num_classes: int) -> Statistics:
-  return Statistics(jnp.zeros(()), jnp.zeros(dim), jnp.zeros(num_classes),
-                    jnp.zeros((dim, dim)), jnp.zeros((dim, num_classes)))
+def zero_statistics(dim: int, num_classes: int, regressions: tuple[int, ...] = ()) -> Statistics:
+  """Empty float32 sums, each of shape `regressions` + its own; numpy arrays, so that every
+  process passes the same (replicated) value to a computation over several processes."""
+  shapes = Statistics((), (dim,), (num_classes,), (dim, dim), (dim, num_classes))
+  return Statistics(*(np.zeros(regressions + shape, np.float32) for shape in shapes))
 
 
 @jax.jit
@@ -90,34 +97,100 @@ def solve(stats: Statistics, l2: jax.Array) -> tuple[jax.Array, jax.Array]:
   return w, mean_y - jnp.matmul(mean_x, w, precision=HIGHEST)
 
 
-def statistics(features: np.ndarray, labels: np.ndarray, num_classes: int,
-               batch: int = 4096) -> Statistics:
-  """The sums over features (N, D) and targets(labels), taken `batch` rows at a time."""
-  stats = zero_statistics(features.shape[1], num_classes)
-  for start in range(0, len(labels), batch):
-    rows = slice(start, start + batch)
-    stats = accumulate(stats, jnp.asarray(features[rows]),
-                       targets(jnp.asarray(labels[rows]), num_classes),
-                       jnp.ones(len(labels[rows])))
-  return stats
-
-
 def predict(features: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
   """Classes (B,) of features (B, D) under the regression W (D, K), b (K,)."""
   return jnp.argmax(jnp.matmul(features, w, precision=HIGHEST) + b, axis=-1)
+
+
+# C regressions at once, each row of a batch of features (B, D) weighted (B, C) for each. Jitted
+# once here: every shape compiles once per process, and later evaluations reuse it. With batches
+# sharded over several processes' devices, the sums reduce across processes inside the
+# computation, and every process gets the same (replicated) result.
+
+
+@jax.jit
+def accumulate_each(stats: Statistics, features: jax.Array, labels: jax.Array,
+                    weights: jax.Array, shift: jax.Array) -> Statistics:
+  """Adds features (B, D) - shift (D,) and targets(labels (B,)) to the C sums `stats`, row b to
+  sum c with weight (B, C) [b, c]."""
+  y = targets(labels, stats.sum_y.shape[-1])
+  return jax.vmap(accumulate, in_axes=(0, None, None, 1))(stats, features - shift, y, weights)
+
+
+solve_each = jax.jit(jax.vmap(solve))  # C sums and l2 (C,) -> W (C, D, K), b (C, K).
+
+
+@jax.jit
+def count_correct(correct: jax.Array, features: jax.Array, labels: jax.Array,
+                  weights: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+  """correct (C,) plus the rows of features (B, D) that regression c, W (C, D, K) and b (C, K),
+  classifies as labels (B,), counted with weight (B, C) [b, c], or (B,) for every c."""
+  hits = jax.vmap(predict, in_axes=(None, 0, 0))(features, w, b) == labels  # (C, B)
+  return correct + jnp.sum(hits * weights.T, axis=1)
+
+
+@jax.jit
+def add_weights(total: jax.Array, weights: jax.Array) -> jax.Array:
+  """total (C,) plus the column sums of weights (B, C), or (B,) for every c."""
+  return total + weights.sum(0)
+
+
+@jax.jit
+def mean_row(features: jax.Array, weights: jax.Array) -> jax.Array:
+  """The mean (D,) of the rows of features (B, D) that have a weight (B, C) above 0."""
+  used = (weights.max(1) > 0)[:, None]
+  return jnp.sum(features * used, 0) / jnp.maximum(used.sum(), 1)
+
+
+@jax.jit
+def unshifted(w: jax.Array, b: jax.Array, shift: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Regressions W (C, D, K), b (C, K) of features - shift (D,) as regressions of the features."""
+  return w, b - jnp.einsum('d,cdk->ck', shift, w, precision=HIGHEST)
+
+
+def fit(batches: Sequence[dict], num_classes: int, l2_grid: Sequence[float] = L2_GRID):
+  """C regressions of the shots, each with the L2 from `l2_grid` most accurate on its held-out
+  rows (the smallest such L2 on ties).
+
+  Args:
+    batches: dicts of 'features' (B, D), 'label' int (B,) in [0, num_classes), and 'shots' and
+      'holdout' (B, C): 1 where a row is among the shots (the held-out images) of regression c,
+      else 0. Numpy arrays, or jax.Arrays (sharded over any processes' devices).
+    num_classes: K.
+    l2_grid: the ridge penalties tried.
+  Returns:
+    W (C, D, K) and b (C, K), jax.Arrays; the chosen L2 and the held-out accuracy, numpy (C,).
+  """
+  num_regressions, dim = batches[0]['shots'].shape[1], batches[0]['features'].shape[1]
+  shift = mean_row(batches[0]['features'], batches[0]['shots'])  # Keeps float32 sums accurate.
+  stats = zero_statistics(dim, num_classes, (num_regressions,))
+  held_out = np.zeros(num_regressions, np.float32)
+  for batch in batches:
+    stats = accumulate_each(stats, batch['features'], batch['label'], batch['shots'], shift)
+    held_out = add_weights(held_out, batch['holdout'])
+
+  def correct_with(l2):
+    w, b = unshifted(*solve_each(stats, np.full(num_regressions, l2, np.float32)), shift)
+    correct = np.zeros(num_regressions, np.float32)
+    for batch in batches:
+      correct = count_correct(correct, batch['features'], batch['label'], batch['holdout'], w, b)
+    return np.asarray(correct)
+
+  accuracy = np.stack([correct_with(l2) for l2 in l2_grid], 1) / np.asarray(held_out)[:, None]
+  chosen = np.asarray(l2_grid)[accuracy.argmax(1)]  # The first, smallest, of equal maxima.
+  w, b = unshifted(*solve_each(stats, chosen.astype(np.float32)), shift)
+  return w, b, chosen, accuracy.max(1)
 
 
 def probe(shots: tuple[np.ndarray, np.ndarray], holdout: tuple[np.ndarray, np.ndarray],
           num_classes: int, l2_grid: Sequence[float] = L2_GRID):
   """The regression of (features, labels) `shots` whose L2 from `l2_grid` is most accurate on
   `holdout` (the smallest such L2 on ties): (W (D, K), b (K,), l2, holdout accuracy)."""
-  stats, best = statistics(*shots, num_classes), None
-  for l2 in l2_grid:
-    w, b = solve(stats, l2)
-    accuracy = float(jnp.mean(predict(jnp.asarray(holdout[0]), w, b) == holdout[1]))
-    if best is None or accuracy > best[3]:
-      best = (w, b, l2, accuracy)
-  return best
+  is_shot = np.repeat([1.0, 0.0], [len(shots[1]), len(holdout[1])]).astype(np.float32)[:, None]
+  w, b, l2, accuracy = fit([{'features': np.concatenate([shots[0], holdout[0]]),
+                             'label': np.concatenate([shots[1], holdout[1]]),
+                             'shots': is_shot, 'holdout': 1 - is_shot}], num_classes, l2_grid)
+  return w[0], b[0], float(l2[0]), float(accuracy[0])
 
 
 # Choosing shots.
@@ -146,6 +219,16 @@ def choose_shots(labels: np.ndarray, num_classes: int, shots: int, holdout: int,
           np.stack([d[shots:shots + holdout] for d in draws]))
 
 
+def membership(positions: np.ndarray, draws: Sequence[tuple[np.ndarray, np.ndarray]],
+               shots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+  """Which regression each of `positions` (N,) is a shot, and a held-out image, of: float32
+  (N, C) each, C = len(shots) x len(draws), regression c the c // len(draws)-th k of `shots` on
+  the c % len(draws)-th draw of `choose_shots`."""
+  pairs = [(draw, k) for k in shots for draw in draws]
+  return (np.stack([np.isin(positions, draw[0][:, :k]) for draw, k in pairs], 1).astype(np.float32),
+          np.stack([np.isin(positions, draw[1]) for draw, _ in pairs], 1).astype(np.float32))
+
+
 # Features.
 
 
@@ -160,9 +243,9 @@ def split_labels(config, split: str) -> np.ndarray:
   return np.concatenate(list(labels.as_numpy_iterator()))
 
 
-def selected_batches(config, split: str, positions: np.ndarray) -> Iterator[np.ndarray]:
-  """Preprocessed images at the sorted `positions` of `split`, in batches of config.batch_eval:
-  float32 (b, crop, crop, 3) with b <= batch_eval."""
+def selected_images(config, split: str, positions: np.ndarray, batch: int) -> Iterator[np.ndarray]:
+  """Preprocessed images at the sorted `positions` of `split`, in batches of `batch`:
+  float32 (b, crop, crop, 3), b <= batch."""
   shard = sources.get_source(config).shard(split, 0, 1)
   wanted = np.zeros(shard.num_examples, bool)
   wanted[positions] = True
@@ -178,44 +261,43 @@ def selected_batches(config, split: str, positions: np.ndarray) -> Iterator[np.n
 
   images = shard.epoch(None).enumerate().filter(is_wanted).map(
       preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  return images.batch(config.batch_eval).prefetch(2).as_numpy_iterator()
+  return images.batch(batch).prefetch(2).as_numpy_iterator()
 
 
-def feature_function(model, params, mesh: jax.sharding.Mesh):
-  """images (B, H, W, 3) in [-1, 1], B a multiple of the mesh's size -> float32 features (B, D),
-  jitted with the batch split along the mesh's `data` axis and `params` replicated."""
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  apply = jax.jit(lambda p, x: model.apply({'params': p}, x, method='features'),
-                  in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))))
-  return lambda images: apply(params, images)
+def padded(rows: np.ndarray, size: int) -> np.ndarray:
+  """rows (n, ...) with zero rows appended up to (size, ...)."""
+  return np.concatenate([rows, np.zeros((size - len(rows),) + rows.shape[1:], rows.dtype)])
 
 
-def features_of(features_fn, batches: Iterator[np.ndarray], batch: int) -> np.ndarray:
-  """Features (N, D) of all the images of `batches`, each padded to `batch` images (one shape
-  to compile)."""
-  out = []
-  for images in batches:
-    pad = batch - len(images)
-    padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
-    out.append(np.asarray(features_fn(padded))[:len(images)])
-  return np.concatenate(out)
+def train_batches(config, labels: np.ndarray, draws, shots: Sequence[int],
+                  mesh: jax.sharding.Mesh) -> Iterator[dict]:
+  """The shots and held-out images of `draws` of config.train_split with their `membership`:
+  global batches {'image', 'label', 'shots', 'holdout'} of config.batch_eval rows, sharded along
+  the mesh's 'data' axis, zero rows (zero weights) after the last image. Each process reads and
+  preprocesses its own contiguous share of the images."""
+  positions = np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
+  mine = np.array_split(positions, jax.process_count())[jax.process_index()]
+  batch = input_pipeline.local_batch_size(config, 'batch_eval', jax.process_count())
+  is_shot, is_held_out = membership(mine, draws, shots)
+  images = selected_images(config, config.train_split, mine, batch)
+
+  no_images = np.zeros((0, config.pp.crop, config.pp.crop, 3), np.float32)
+
+  def local_batches():
+    for i in range(-(-len(positions) // config.batch_eval)):  # Every share fits in as many.
+      rows = slice(i * batch, (i + 1) * batch)
+      yield {'image': padded(next(images, no_images), batch),
+             'label': padded(labels[mine[rows]], batch), 'shots': padded(is_shot[rows], batch),
+             'holdout': padded(is_held_out[rows], batch)}
+
+  return input_pipeline.prefetch_to_mesh(local_batches(), NamedSharding(mesh, P('data')), 2)
 
 
-def count_correct(features_fn, classifiers: tuple[jax.Array, jax.Array], config,
-                 mesh: jax.sharding.Mesh) -> tuple[np.ndarray, int]:
-  """Correct predictions on config.test_split of each of C classifiers W (C, D, K), b (C, K)
-  of the features, and the number of test images: ((C,), N)."""
-  @jax.jit
-  def count(correct, features, labels, mask, w, b):
-    scores = jnp.einsum('nd,cdk->cnk', features, w, precision=HIGHEST) + b[:, None]
-    return correct + jnp.sum((jnp.argmax(scores, -1) == labels) * mask, axis=1)
-
-  correct, total = jnp.zeros(len(classifiers[0])), 0.0
-  for batch in input_pipeline.get_eval_iterator(config, mesh):
-    correct = count(correct, features_fn(batch['image']), batch['label'], batch['mask'],
-                    *classifiers)
-    total += batch['mask'].sum()
-  return np.asarray(correct), int(total)
+@functools.partial(jax.jit, static_argnums=0)
+def features(model, params, images: jax.Array) -> jax.Array:
+  """`model`'s features (B, D) of images (B, H, W, 3) in [-1, 1], compiled once per model and
+  shape."""
+  return model.apply({'params': params}, images, method='features')
 
 
 # Evaluation.
@@ -228,12 +310,21 @@ def check_model(model) -> None:
                      "evaluation needs one vector per image: a 'token' or 'gap' model.")
 
 
+def default_mesh() -> jax.sharding.Mesh:
+  """A 'data' axis over all devices."""
+  return jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+
+
 def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
              holdout: int, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
   """Few-shot linear accuracy of `model` on config.dataset, for each k of `shots`.
 
+  Runs in every process of a multi-process run alike: each reads and preprocesses its share of
+  the images, the sums reduce across processes and all get the same results.
+
   Args:
-    model, params: a VisionTransformer and its parameters.
+    model, params: a VisionTransformer and its parameters (best already on the mesh's devices:
+      host arrays are copied to them for every batch).
     config: dataset settings: `dataset`, `train_split`, `test_split`, `pp` (the evaluation
       preprocessing), `batch_eval` (a multiple of the device count) and the source options of
       vit_jax.input_pipeline_sources (`tfds_data_dir`, ...).
@@ -241,46 +332,34 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
     mesh: a mesh with a 'data' axis; default: all devices.
   Returns:
     {k: {'mean': accuracy in [0, 1], 'std': over seeds, 'accuracy': per seed, 'l2': per seed,
-    'holdout_accuracy': per seed}}, and 'num_test', 'seconds_train_features',
-    'seconds_test' (the test pass: features and scores).
+    'holdout_accuracy': per seed}}, and 'num_test', 'seconds_train' (the shots' and held-out
+    images' features and the regressions), 'seconds_test' (the test pass: features and scores).
   """
   check_model(model)
-  mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()), ('data',))
-  features_fn = feature_function(model, params, mesh)
+  mesh = mesh or default_mesh()
   labels = split_labels(config, config.train_split)
   num_classes = len(sources.get_source(config).label_names)
   draws = [choose_shots(labels, num_classes, max(shots), holdout, seed) for seed in seeds]
 
   start = time.perf_counter()
-  positions = np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
-  features = features_of(features_fn, selected_batches(config, config.train_split, positions),
-                         config.batch_eval)
-  shift = features.mean(0)  # Keeps float32 sums of x x^T well conditioned.
-  features -= shift
-  rows = lambda chosen: np.searchsorted(positions, chosen.ravel())  # Positions -> rows.
-  seconds_train_features = time.perf_counter() - start
-
-  results, classifiers = {}, []
-  for k in shots:
-    results[k] = {'accuracy': [], 'l2': [], 'holdout_accuracy': []}
-    for shot_positions, holdout_positions in draws:
-      train_rows, holdout_rows = rows(shot_positions[:, :k]), rows(holdout_positions)
-      w, b, l2, holdout_accuracy = probe(
-          (features[train_rows], labels[positions[train_rows]]),
-          (features[holdout_rows], labels[positions[holdout_rows]]), num_classes)
-      classifiers.append((w, b - jnp.matmul(shift, w, precision=HIGHEST)))
-      results[k]['l2'].append(l2)
-      results[k]['holdout_accuracy'].append(holdout_accuracy)
+  batches = [{'features': features(model, params, batch.pop('image')), **batch}
+             for batch in train_batches(config, labels, draws, shots, mesh)]
+  w, b, l2, holdout_accuracy = fit(batches, num_classes)
+  seconds_train = time.perf_counter() - start
 
   start = time.perf_counter()
-  correct, num_test = count_correct(
-      features_fn, tuple(jnp.stack(c) for c in zip(*classifiers)), config, mesh)
-  accuracy = iter(correct / num_test)
-  for k in shots:
-    results[k]['accuracy'] = [float(next(accuracy)) for _ in seeds]
-    results[k].update(mean=float(np.mean(results[k]['accuracy'])),
-                      std=float(np.std(results[k]['accuracy'])))
-  return {**results, 'num_test': num_test, 'seconds_train_features': seconds_train_features,
+  correct, num_test = np.zeros(len(l2), np.float32), np.zeros((), np.float32)
+  for batch in input_pipeline.get_eval_iterator(config, mesh):
+    correct = count_correct(correct, features(model, params, batch['image']), batch['label'],
+                            batch['mask'], w, b)
+    num_test = add_weights(num_test, batch['mask'])
+  num_test = int(num_test)
+  per_k = lambda values: dict(zip(shots, np.reshape(values, (len(shots), -1)).tolist()))
+  results = {k: {'accuracy': accuracy, 'mean': float(np.mean(accuracy)),
+                 'std': float(np.std(accuracy)), 'l2': per_k(l2)[k],
+                 'holdout_accuracy': per_k(holdout_accuracy)[k]}
+             for k, accuracy in per_k(np.asarray(correct) / num_test).items()}
+  return {**results, 'num_test': num_test, 'seconds_train': seconds_train,
           'seconds_test': time.perf_counter() - start}
 
 
@@ -353,8 +432,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        f'devices: make it a multiple of {jax.device_count()}.')
     model, params = checkpoint.load_model(args.checkpoint, args.model)
     image_size = checkpoint.native_image_size(params, model)
+    mesh = default_mesh()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
     results = evaluate(model, params, dataset_config(args, image_size), shots,
-                       range(args.seeds), args.holdout)
+                       range(args.seeds), args.holdout, mesh)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

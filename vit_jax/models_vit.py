@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from vit_jax import models_resnet
 from vit_jax.sharding import with_axes
@@ -43,6 +44,14 @@ def _layer_norm(dtype, name=None):
                       bias_init=with_axes(nn.initializers.zeros, 'embed'))
 
 
+def reshape_rows(x: jax.Array, *shape: int) -> jax.Array:
+  """(B, ...) -> (B, *shape), the batch axis keeping its sharding: on a mesh of Explicit axes
+  (jax.make_mesh's default) jax needs the sharding of a reshape's output stated."""
+  sharding = jax.typeof(x).sharding
+  return jnp.reshape(x, (x.shape[0], *shape),
+                     out_sharding=sharding.update(spec=P(sharding.spec[0])))
+
+
 class PatchEmbedding(nn.Module):
   """Cuts (B, H, W, C) into PxP patches and projects each linearly: -> (B, H/P, W/P, D).
 
@@ -61,8 +70,8 @@ class PatchEmbedding(nn.Module):
         'kernel', with_axes(nn.initializers.lecun_normal(), 'conv_height', 'conv_width', 'conv_in',
                             'embed'), (ph, pw, c, self.hidden_size))
     bias = self.param('bias', with_axes(nn.initializers.zeros, 'embed'), (self.hidden_size,))
-    patches = x.reshape(b, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 2, 4, 5)
-    patches = patches.reshape(b, h // ph, w // pw, ph * pw * c).astype(self.dtype)
+    patches = reshape_rows(x, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 2, 4, 5)
+    patches = reshape_rows(patches, h // ph, w // pw, ph * pw * c).astype(self.dtype)
     kernel = kernel.reshape(ph * pw * c, self.hidden_size).astype(self.dtype)
     return patches @ kernel + bias.astype(self.dtype)
 
@@ -449,11 +458,12 @@ class VisionTransformer(nn.Module):
     x = PatchEmbedding(hidden_size=self.hidden_size, patch_size=self.patch_size, dtype=self.dtype,
                        name='embedding')(x)
     b, h, w, d = x.shape
-    x = x.reshape(b, h * w, d)
+    x = reshape_rows(x, h * w, d)
 
     if self.has_class_token:
       cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
-      x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d)), x], axis=1)
+      cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d), out_sharding=jax.typeof(x).sharding)
+      x = jnp.concatenate([cls, x], axis=1)
 
     x = Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
                 dropout_rate=self.dropout_rate,

@@ -618,9 +618,6 @@ def check_fewshot_model(model) -> None:
     fewshot.check_model(model)
   except ValueError as e:
     raise ConfigError(f'config.fewshot.datasets: {e}') from None
-  if jax.process_count() > 1:
-    raise ConfigError('config.fewshot.datasets: few-shot evaluation runs in a single process; '
-                      'set it to () and run python -m vit_jax.fewshot on the model.npz.')
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:

@@ -1,0 +1,99 @@
+"""Few-shot evaluation as training runs it: which images it fits on, compilations, bad models."""
+import functools
+
+import jax
+import numpy as np
+from PIL import Image
+import pytest
+
+from vit_jax import fewshot
+from vit_jax import input_pipeline_sources as sources
+from vit_jax import train
+import tiny_config
+
+SHOTS, SEEDS, HOLDOUT = (1, 5), (0, 1), 3
+
+
+@pytest.fixture(scope='module')
+def tiny():
+  """The few-shot config of a tiny run on the embedded data, its model and initial params."""
+  config = tiny_config.get_config()
+  config.batch_eval = 200
+  config.fewshot.update(train_split='train[:1000]', num_test=400)
+  config = train.fewshot_config(config, 'fashion_mnist_embedded')
+  model = train.build_model(config, num_classes=10)
+  init = jax.jit(functools.partial(model.init, train=False))  # One compilation, not one per op.
+  return config, model, init(jax.random.key(0), np.zeros((1, 28, 28, 3)))['params']
+
+
+def test_held_out_images_that_choose_the_l2_are_never_among_the_shots(tiny):
+  config, _, _ = tiny
+  labels = fewshot.split_labels(config, config.train_split)
+  draws = [fewshot.choose_shots(labels, 10, max(SHOTS), HOLDOUT, seed) for seed in SEEDS]
+  batches = list(fewshot.train_batches(config, labels, draws, SHOTS, fewshot.default_mesh()))
+  # Which training image each row is, found by its pixels among those of the split.
+  raw_images, raw_labels = sources.get_source(config).select(config.train_split)
+  raw = raw_images.reshape(len(raw_images), -1) / 127.5 - 1
+  rows = np.concatenate([np.asarray(b['image'])[..., 0].reshape(len(b['image']), -1)
+                         for b in batches])
+  distances = ((rows ** 2).sum(1)[:, None] - 2 * rows @ raw.T + (raw ** 2).sum(1))
+  index = distances.argmin(1)
+  is_shot, is_held_out = (np.concatenate([np.asarray(b[name]) for b in batches])
+                          for name in ('shots', 'holdout'))
+  used = (is_shot + is_held_out).max(1) > 0
+  assert np.all(distances[used].min(1) < 1e-3)  # Real rows are training images (others: > 1).
+  for c, (k, seed) in enumerate((k, seed) for k in SHOTS for seed in SEEDS):
+    shots, held_out = index[is_shot[:, c] > 0], index[is_held_out[:, c] > 0]
+    assert not set(shots) & set(held_out)
+    np.testing.assert_array_equal(np.bincount(raw_labels[shots], minlength=10), [k] * 10)
+    np.testing.assert_array_equal(np.bincount(raw_labels[held_out], minlength=10), [HOLDOUT] * 10)
+    np.testing.assert_array_equal(np.sort(shots), np.sort(draws[seed][0][:, :k].ravel()))
+
+
+def compilations(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if r.getMessage().startswith('Compiling')]
+
+
+def test_a_second_evaluation_compiles_nothing(tiny, caplog):
+  config, model, params = tiny
+  evaluate = functools.partial(fewshot.evaluate, model, config=config, shots=SHOTS, seeds=SEEDS,
+                               holdout=HOLDOUT)
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    first = evaluate(params=params)
+  assert any('features' in line for line in compilations(caplog))
+  trained = jax.tree.map(lambda x: 1.5 * x, params)  # Other values, as after more steps.
+  caplog.clear()
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    second = evaluate(params=trained)
+  assert compilations(caplog) == []
+  assert first['num_test'] == second['num_test'] == 400
+  assert first[5]['accuracy'] != second[5]['accuracy']  # It did evaluate the other params.
+
+
+def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
+  config, _, _ = tiny
+  config = config.copy_and_resolve_references()
+  config.model.classifier = 'unpooled'
+  with pytest.raises(train.ConfigError) as error:
+    train.check_fewshot_model(train.build_model(config, num_classes=10))
+  assert str(error.value) == (
+      "config.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
+      "evaluation needs one vector per image: a 'token' or 'gap' model.")
+
+
+def test_an_image_folder_is_a_fewshot_dataset(tiny, tmp_path):
+  _, model, params = tiny
+  folder = tmp_path / 'three_classes'
+  with np.load(sources.EMBEDDED_PATH) as data:
+    for split, count in (('train', 15), ('test', 10)):
+      labels = data[f'{split}_labels']
+      for class_id in (1, 7, 8):  # Trouser, sneaker, bag.
+        (folder / split / f'class{class_id}').mkdir(parents=True)
+        for i, image in enumerate(data[f'{split}_images'][labels == class_id][:count]):
+          Image.fromarray(image).save(folder / split / f'class{class_id}' / f'{i}.png')
+  config = tiny_config.get_config()
+  config.batch_eval = 200
+  config.fewshot.update(datasets=(str(folder),), shots=(5,), train_split='train', num_test=None)
+  metrics = train.evaluate_fewshot(model, params, config, train.make_mesh(config))
+  assert list(metrics) == ['fewshot/three_classes_5shot']
+  assert metrics['fewshot/three_classes_5shot'] > 0.6  # Chance is 1/3.
