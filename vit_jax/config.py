@@ -64,6 +64,15 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
 
+  # Objective: 'supervised' (labels) or 'masked_patch_prediction' (self-supervised pre-training
+  # of the paper's Section 4.6, vit_jax/mpp.py; labels unused).
+  config.objective = 'supervised'
+  config.mpp = ml_collections.ConfigDict({
+      'corruption_rate': 0.5,
+      'mask_random_keep': (0.8, 0.1, 0.1),
+      'target': 'mean_color_3bit',
+  })
+
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
@@ -147,6 +156,14 @@ FIELD_HELP = {
     'weight_decay': "AdamW's decoupled weight decay, on kernels.",
     'grad_clip_norm': 'Clip gradients to this global norm.',
     'label_smoothing': 'Label smoothing of the training loss.',
+    'objective': "'supervised' (labels), or 'masked_patch_prediction' (self-supervised "
+                 'pre-training, vit_jax/mpp.py; labels unused).',
+    'mpp.corruption_rate': "Masked patch prediction: share of each image's patches corrupted "
+                           'and predicted.',
+    'mpp.mask_random_keep': 'Masked patch prediction: shares of the corrupted patches replaced '
+                            'by the [mask] embedding, by a random other patch, and kept.',
+    'mpp.target': "Masked patch prediction: 'mean_color_3bit' (512 classes), "
+                  "'downsampled_3bit' (4x4 of them) or 'patch_l2' (pixels).",
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
