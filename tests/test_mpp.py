@@ -195,8 +195,8 @@ def mpp_config(dataset, **overrides):
   """The tiny run of tests/tiny_config.py pre-training by masked patch prediction on `dataset`,
   4 steps."""
   config = tiny_config.get_config()
-  config.update(dict(objective='masked_patch_prediction', dataset=dataset, batch=16,
-                     batch_eval=16, total_steps=4, warmup_steps=1, progress_every=2,
+  config.update(dict(objective='masked_patch_prediction', dataset=dataset, test_split='test',
+                     batch=16, batch_eval=16, total_steps=4, warmup_steps=1, progress_every=2,
                      eval_every=4, checkpoint_every=4, **overrides))
   return config
 
