@@ -28,6 +28,7 @@ whose message is one line naming the file, or the parameter path with both shape
 import argparse
 import io
 import json
+import logging
 import math
 import os
 import sys
@@ -41,6 +42,7 @@ import numpy as np
 import scipy.ndimage
 
 from vit_jax import models
+from vit_jax import mpp
 from vit_jax import published
 
 Params = dict[str, Any]
@@ -380,6 +382,19 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
   return resize_posemb(posemb, grid, has_class_token=has_class_token, method=method)
 
 
+def _fit_pretraining_params(restored: dict, target: dict, source: str) -> dict:
+  """`restored` (flat) without the masked-patch-prediction parameters (vit_jax.mpp) that
+  `target` lacks (fine-tuning a pre-trained model; logged), and with `target`'s fresh ones
+  that it lacks (pre-training from a published model)."""
+  extra = lambda path: path[0].startswith(mpp.PARAM_PREFIX)
+  dropped = sorted({p[0] for p in restored if extra(p) and p not in target})
+  if dropped:
+    logging.info('Dropped the pre-training parameters %s of %s: the model does not use them.',
+                 ', '.join(dropped), source)
+  fitted = {p: v for p, v in restored.items() if not (extra(p) and p not in target)}
+  return {**{p: v for p, v in target.items() if extra(p) and p not in fitted}, **fitted}
+
+
 def load_pretrained(path, init_params: Params, model, *,
                     posemb_method: str = 'bilinear',
                     grid: Optional[tuple[int, int]] = None,
@@ -390,6 +405,8 @@ def load_pretrained(path, init_params: Params, model, *,
   - `pre_logits` is dropped when `model.representation_size` is None;
   - `head` is replaced by the freshly initialised one of `init_params` (new classes), or, with
     `keep_head`, kept from the file (the same classes, e.g. continuing at a higher resolution);
+  - the parameters that masked patch prediction adds (vit_jax.mpp.PARAM_PREFIX) are dropped,
+    with a log line, when `init_params` lacks them, and taken from it when the file does;
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
@@ -407,6 +424,7 @@ def load_pretrained(path, init_params: Params, model, *,
   if not keep_head:
     restored = {p: v for p, v in restored.items() if p[0] != 'head'}
     restored.update({p: v for p, v in target.items() if p[0] == 'head'})
+  restored = _fit_pretraining_params(restored, target, source)
   has_class_token = model.has_class_token
   # Resized only when the file and the model agree on the class token; else _check_flat says.
   same_tokens = (('cls',) in restored) == has_class_token

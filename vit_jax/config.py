@@ -69,6 +69,15 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Exponential moving average of the weights, evaluated beside them and exported as model.npz.
   config.ema_decay = 0.0  # 0: off.
 
+  # Objective: 'supervised' (labels) or 'masked_patch_prediction' (self-supervised pre-training
+  # of the paper's Section 4.6, vit_jax/mpp.py; labels unused).
+  config.objective = 'supervised'
+  config.mpp = ml_collections.ConfigDict({
+      'corruption_rate': 0.5,
+      'mask_random_keep': (0.8, 0.1, 0.1),
+      'target': 'mean_color_3bit',
+  })
+
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).
   config.mesh = ml_collections.ConfigDict({'data': -1, 'model': 1})
@@ -159,6 +168,14 @@ FIELD_HELP = {
                '(one ratio per step, at least 1/2), e.g. 0.2; 0: off.',
     'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
                  'too (*_ema), written as model.npz (raw: model_raw.npz); 0: off.',
+    'objective': "'supervised' (labels), or 'masked_patch_prediction' (self-supervised "
+                 'pre-training, vit_jax/mpp.py; labels unused).',
+    'mpp.corruption_rate': "Masked patch prediction: share of each image's patches corrupted "
+                           'and predicted.',
+    'mpp.mask_random_keep': 'Masked patch prediction: shares of the corrupted patches replaced '
+                            'by the [mask] embedding, by a random other patch, and kept.',
+    'mpp.target': "Masked patch prediction: 'mean_color_3bit' (512 classes), "
+                  "'downsampled_3bit' (4x4 of them) or 'patch_l2' (pixels).",
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "

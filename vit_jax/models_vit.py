@@ -449,8 +449,14 @@ class VisionTransformer(nn.Module):
     return self(images, train=train, head=False)
 
   @nn.compact
-  def __call__(self, images, *, train, head=True):
-    """Logits, or with `head=False` the `features` they are computed from."""
+  def __call__(self, images, *, train, head=True, patch_task=None):
+    """Logits, or with `head=False` the `features` they are computed from.
+
+    `patch_task` (vit_jax.mpp.PatchTask, for masked patch prediction) changes the patch
+    embeddings (B, N, D) by its `corrupt(self, patches)` before the class token and the position
+    embeddings join them, and returns, in place of pooling and head, its `predict(self, tokens)`
+    of the encoder outputs of the patch tokens (B, N, D).
+    """
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
@@ -459,6 +465,8 @@ class VisionTransformer(nn.Module):
                        name='embedding')(x)
     b, h, w, d = x.shape
     x = reshape_rows(x, h * w, d)
+    if patch_task is not None:
+      x = patch_task.corrupt(self, x)
 
     if self.has_class_token:
       cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
@@ -473,6 +481,8 @@ class VisionTransformer(nn.Module):
                 attention=self.attention, stochastic_depth=self.stochastic_depth,
                 stochastic_depth_schedule=self.stochastic_depth_schedule,
                 name='Transformer')(x, train=train)
+    if patch_task is not None:
+      return patch_task.predict(self, x[:, int(self.has_class_token):])
 
     if self.classifier == 'token':
       x = x[:, 0]

@@ -31,6 +31,7 @@ from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import mpp
 from vit_jax import published
 from vit_jax import randaugment
 from vit_jax import registry
@@ -142,6 +143,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   if not 0 <= config.ema_decay < 1:
     return (f'config.ema_decay={config.ema_decay!r} must be in [0, 1), e.g. 0.9998 '
             '(0: no EMA of the weights).')
+  if error := mpp.config_error(config):
+    return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
@@ -237,11 +240,14 @@ def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
 def build_model(config: ml_collections.ConfigDict, num_classes: int):
   """The VisionTransformer of `config.model` with the config's dtype, scan, remat and attention
   settings (`auto` resolved for jax.devices()) and the PRETRAINED_FIELDS of the pretrained
-  checkpoint."""
-  return models.get_model(config.model, num_classes=num_classes, **{
+  checkpoint; an mpp.MaskedPatchViT under the masked-patch-prediction objective."""
+  model = models.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
       'attention': models_vit.resolve_attention(config.attention, jax.devices())})
+  if config.objective == 'masked_patch_prediction':
+    return mpp.with_mpp(model, config.mpp.target)
+  return model
 
 
 def init_params(config, model, image_size: int):
@@ -278,18 +284,34 @@ def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collection
   return config
 
 
+# The names under which `evaluate` reports the sums of `make_eval_step` (others keep theirs).
+EVAL_NAMES = {'correct': 'accuracy', 'correct_top5': 'top5_accuracy'}
+
+
 def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
-  """Top-1 and top-5 accuracy and mean loss over the whole of config.{split}_split, as
-  {split}_accuracy, {split}_top5_accuracy and {split}_loss; `split` is 'test' or 'val'."""
+  """The means over the whole of config.{split}_split of what `eval_step` sums, as
+  {split}_NAME: top-1 and top-5 accuracy and loss ({split}_accuracy, {split}_top5_accuracy,
+  {split}_loss), or under masked patch prediction {split}_mpp_loss and {split}_mpp_accuracy;
+  `split` is 'test' or 'val'."""
   config = evaluated_on(config, split)
-  totals = {'correct': 0.0, 'correct_top5': 0.0, 'loss': 0.0, 'count': 0.0}
+  totals = None
   for batch in input_pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
-    totals = {k: totals[k] + v for k, v in sums.items()}
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
-  return {f'{split}_accuracy': float(totals['correct'] / totals['count']),
-          f'{split}_top5_accuracy': float(totals['correct_top5'] / totals['count']),
-          f'{split}_loss': float(totals['loss'] / totals['count'])}
+  return {f'{split}_{EVAL_NAMES.get(name, name)}': float(total / totals['count'])
+          for name, total in totals.items() if name != 'count'}
+
+
+def evaluation_line(split: str, metrics: dict[str, float]) -> str:
+  """The log line of `evaluate`'s `metrics` of `split`."""
+  if f'{split}_accuracy' in metrics:
+    accuracy, top5, loss = (metrics[f'{split}_{name}'] for name in ('accuracy', 'top5_accuracy',
+                                                                     'loss'))
+    ema = metrics.get(f'{split}_accuracy_ema')
+    return (f'{split} accuracy {accuracy:.4f} (top-5 {top5:.4f})'
+            f'{"" if ema is None else f", EMA {ema:.4f}"}, {split} loss {loss:.4f}')
+  return ', '.join(f'{name.replace("_", " ")} {value:.4f}' for name, value in metrics.items())
 
 
 def with_ema(evaluate_params: Callable[[Any], dict[str, float]],
@@ -683,7 +705,8 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
   train_step = jit_train_step(model, optimizer, config, mesh, shardings)
-  eval_step = jax.jit(make_eval_step(model))
+  eval_step = jax.jit(mpp.make_eval_step(model, config)
+                      if config.objective == 'masked_patch_prediction' else make_eval_step(model))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
@@ -749,8 +772,11 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
           speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
                    f'ETA {_format_seconds(eta)}')
         writer.write_scalars(step, logged)
-        logging.info('step %d/%d: loss %.4f%s', step, config.total_steps, logged['train_loss'],
-                     speed, extra={'progress': (step, config.total_steps)})  # A bar on a tty.
+        objective = ''.join(f', {name[len("train_"):].replace("_", " ")} {value:.4f}'
+                            for name, value in logged.items()
+                            if name.startswith('train_') and name != 'train_loss')
+        logging.info('step %d/%d: loss %.4f%s%s', step, config.total_steps, logged['train_loss'],
+                     objective, speed, extra={'progress': (step, config.total_steps)})  # tty bar.
         last_metrics.update(logged)
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
@@ -767,11 +793,7 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
                                                   split=split), state)
         writer.write_scalars(step, eval_metrics)
-        ema = eval_metrics.get(f'{split}_accuracy_ema')
-        logging.info('step %d: %s accuracy %.4f (top-5 %.4f)%s, %s loss %.4f', step, split,
-                     eval_metrics[f'{split}_accuracy'], eval_metrics[f'{split}_top5_accuracy'],
-                     '' if ema is None else f', EMA {ema:.4f}', split,
-                     eval_metrics[f'{split}_loss'])
+        logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
         last_metrics.update(eval_metrics)
         timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
       if fewshot_due(config, step):

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import optax
 
+from vit_jax import mpp
 from vit_jax import sharding
 
 Batch = dict[str, jax.Array]
@@ -130,30 +131,35 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
   """update(state, batch) -> (state, metrics): forward, backward, optimiser, and the EMA of the
   params (`ema_update` with config.ema_decay) where the state holds one; not yet jitted."""
 
-  def loss_fn(params, images, labels, rng):
-    logits = model.apply({'params': params}, images, train=True, rngs={'dropout': rng})
-    return jnp.mean(cross_entropy(logits, labels, config.label_smoothing))
+  def supervised_loss(params, batch, rng):
+    logits = model.apply({'params': params}, batch['image'], train=True, rngs={'dropout': rng})
+    return jnp.mean(cross_entropy(logits, batch['label'], config.label_smoothing)), {}
+
+  # (loss, other metrics of the batch) of the objective.
+  loss_fn = (mpp.train_loss(model, config) if config.objective == 'masked_patch_prediction'
+             else supervised_loss)
 
   def loss_and_grads(params, batch, rng):
     if config.accum_steps == 1:
-      return jax.value_and_grad(loss_fn)(params, batch['image'], batch['label'], rng)
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
 
     def accumulate(carry, micro):
       index, micro_batch = micro
-      loss, grads = jax.value_and_grad(loss_fn)(
-          params, micro_batch['image'], micro_batch['label'], jax.random.fold_in(rng, index))
-      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+      result = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, micro_batch, jax.random.fold_in(rng, index))
+      return jax.tree.map(jnp.add, carry, result), None
 
-    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        jax.value_and_grad(loss_fn, has_aux=True), params, batch, rng))
     micro = (jnp.arange(config.accum_steps), microbatches(batch, config.accum_steps))
-    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-    return jax.tree.map(lambda x: x / config.accum_steps, (loss, grads))
+    totals, _ = jax.lax.scan(accumulate, zeros, micro)
+    return jax.tree.map(lambda x: x / config.accum_steps, totals)
 
   def train_step(state: TrainState, batch: Batch):
     rng = jax.random.fold_in(state.rng, state.step)
     if config.get('mixup') and config.mixup.p:  # A key no micro-batch's dropout takes.
       batch = mixup(jax.random.fold_in(rng, _MIXUP), batch, config.mixup.p, model.num_classes)
-    loss, grads = loss_and_grads(state.params, batch, rng)
+    (loss, objective_metrics), grads = loss_and_grads(state.params, batch, rng)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -164,7 +170,8 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
     # A non-finite step leaves params and optimiser state as they were (the loop then stops).
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
     metrics = {'train_loss': loss, 'grad_norm': grad_norm,
-               'learning_rate': optimizer.schedule(state.step), 'finite': finite}
+               'learning_rate': optimizer.schedule(state.step), 'finite': finite,
+               **{f'train_{name}': value for name, value in objective_metrics.items()}}
     return new_state, metrics
 
   return train_step
