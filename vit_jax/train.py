@@ -31,6 +31,7 @@ from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import positions
 from vit_jax import sharding
 # The update step lives in vit_jax.train_step, free of TensorFlow.
 from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
@@ -135,7 +136,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
-                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS)):
+                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS),
+                         ('posemb', positions.POSEMB_KINDS)):
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
   return None
@@ -202,6 +204,7 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int):
   return models.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
+      'posemb': config.posemb,
       'attention': models_vit.resolve_attention(config.attention, jax.devices())})
 
 
