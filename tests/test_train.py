@@ -416,3 +416,17 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
   finally:
     watcher.close()
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_run_saved_before_posemb_and_objective_resumes_and_changing_them_is_named(tmp_path):
+  config = tiny_config()
+  train.write_config(config, str(tmp_path))
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  for field in ('posemb', 'objective', 'mpp'):
+    del saved[field]  # As an older version wrote it.
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert train.resume_mismatches(config, str(tmp_path)) == []
+  config.posemb, config.objective = 'sincos_2d', 'masked_patch_prediction'
+  assert train.resume_mismatches(config, str(tmp_path)) == [
+      "objective (saved 'supervised', now 'masked_patch_prediction')",
+      "posemb (saved 'learned_1d', now 'sincos_2d')"]

@@ -43,6 +43,7 @@ import scipy.ndimage
 
 from vit_jax import models
 from vit_jax import mpp
+from vit_jax import positions
 from vit_jax import published
 
 Params = dict[str, Any]
@@ -296,6 +297,13 @@ def square_grid(num_tokens: int, what: str) -> tuple[int, int]:
   return side, side
 
 
+def _spline_order(method: str) -> int:
+  """The scipy.ndimage.zoom spline order of a POSEMB_METHODS name."""
+  if method not in POSEMB_METHODS:
+    raise CheckpointError(f'posemb_method={method!r}; choose one of {list(POSEMB_METHODS)}.')
+  return POSEMB_METHODS[method]
+
+
 def resize_posemb(posemb, grid_hw: tuple[int, int], *, has_class_token: bool,
                   method: str = 'bilinear',
                   source_grid_hw: Optional[tuple[int, int]] = None) -> np.ndarray:
@@ -308,8 +316,7 @@ def resize_posemb(posemb, grid_hw: tuple[int, int], *, has_class_token: bool,
   Returns a numpy array (1, [1 +] rows*columns, D) of posemb's dtype.
   """
   posemb = np.asarray(posemb)
-  if method not in POSEMB_METHODS:
-    raise CheckpointError(f'posemb_method={method!r}; choose one of {list(POSEMB_METHODS)}.')
+  order = _spline_order(method)
   if posemb.ndim != 3 or posemb.shape[0] != 1:
     raise CheckpointError(
         f'Position embeddings must have shape (1, tokens, D), not {posemb.shape}.')
@@ -322,9 +329,79 @@ def resize_posemb(posemb, grid_hw: tuple[int, int], *, has_class_token: bool,
   grid = grid.reshape(*source_hw, -1)
   if tuple(source_hw) != tuple(grid_hw):
     zoom = (grid_hw[0] / source_hw[0], grid_hw[1] / source_hw[1], 1)
-    grid = scipy.ndimage.zoom(grid.astype(np.float64), zoom, order=POSEMB_METHODS[method])
+    grid = scipy.ndimage.zoom(grid.astype(np.float64), zoom, order=order)
   grid = grid.reshape(1, grid_hw[0] * grid_hw[1], -1).astype(posemb.dtype)
   return np.concatenate([extra, grid], axis=1)
+
+
+def resize_table(table, length: int, *, method: str = 'bilinear') -> np.ndarray:
+  """Interpolates a table of position parameters (n, ...) along its first axis to (length, ...),
+  ends aligned as scipy.ndimage.zoom does: the first and last entries are kept (and the middle
+  one of an odd n to an odd length). For learned_2d's row and column tables, each resized on
+  its own axis, and relative's table of 2P - 1 offsets (offset 0 stays in the middle; 1-D
+  offsets over the raster have no exact meaning on a grid of another width, so this only
+  stretches them). `method` as for `resize_posemb`; returns numpy of table's dtype."""
+  table = np.asarray(table)
+  order = _spline_order(method)
+  if len(table) == length:
+    return table
+  zoom = (length / len(table),) + (1,) * (table.ndim - 1)
+  return scipy.ndimage.zoom(table.astype(np.float64), zoom, order=order).astype(table.dtype)
+
+
+def file_posemb(params: Params, spec: Optional[dict]) -> Optional[str]:
+  """The posemb kind (vit_jax.positions.POSEMB_KINDS) of a checkpoint: its saved spec's, else
+  the one its parameters show; None for a file without spec or position parameters (posemb
+  'none' or 'sincos_2d', which only a spec tells apart)."""
+  if spec is not None:
+    return spec.get('model', {}).get('posemb', 'learned_1d')
+  names = {path[-1] for path in traverse_util.flatten_dict(params)}
+  for name, kind in ((POSEMB_PATH[-1], 'learned_1d'), (positions.ROW, 'learned_2d'),
+                     (positions.RELATIVE, 'relative')):
+    if name in names:
+      return kind
+  return None
+
+
+def check_posemb(params: Params, spec: Optional[dict], model, source: str) -> None:
+  """Raises a CheckpointError, naming both kinds, unless the checkpoint's position embeddings
+  are of the kind of `model.posemb`."""
+  kind = file_posemb(params, spec)
+  parameter_free = ('none', 'sincos_2d')
+  if kind == model.posemb or (kind is None and model.posemb in parameter_free):
+    return
+  found = f'posemb={kind!r}' if kind else f'no position parameters (posemb in {parameter_free})'
+  raise CheckpointError(f'{source} has {found} but the model has posemb={model.posemb!r}: '
+                        f'build the model with the checkpoint\'s kind (config.posemb).')
+
+
+def _fit_positions(restored: dict, target: dict, model, *, grid: Optional[tuple[int, int]],
+                   method: str) -> dict:
+  """`restored` (flat, per block) with its position parameters resized to those of `target`
+  (shapes, flat, per block): learned_1d's with `resize_posemb` to `grid` (see
+  `load_pretrained`), learned_2d's and relative's tables with `resize_table`."""
+  restored = dict(restored)
+  # Resized only when the file and the model agree on the class token; else _check_flat says.
+  same_tokens = (('cls',) in restored) == model.has_class_token
+  if POSEMB_PATH in restored and POSEMB_PATH in target and same_tokens:
+    restored[POSEMB_PATH] = _fit_posemb(restored[POSEMB_PATH], target[POSEMB_PATH].shape,
+                                        has_class_token=model.has_class_token, grid=grid,
+                                        method=method)
+  names = (positions.ROW, positions.COLUMN, positions.RELATIVE)
+  for path, value in restored.items():
+    if path[-1] in names and path in target and np.shape(value)[1:] == target[path].shape[1:]:
+      restored[path] = resize_table(value, target[path].shape[0], method=method)
+  return restored
+
+
+def fit_positions(params: Params, model, image_size: int, *,
+                  method: str = 'bilinear') -> Params:
+  """`params` (per block, of `model` without scan_layers) with their position parameters
+  resized for square images of `image_size` pixels, whatever the posemb kind."""
+  target = traverse_util.flatten_dict(models.param_shapes(model, image_size))
+  restored = _fit_positions(traverse_util.flatten_dict(params), target, model, grid=None,
+                            method=method)
+  return traverse_util.unflatten_dict(restored)
 
 
 def _shape_mismatches(params: dict, reference: dict) -> list[str]:
@@ -410,14 +487,19 @@ def load_pretrained(path, init_params: Params, model, *,
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
-    e.g. (384 // 16, 512 // 16).
+    e.g. (384 // 16, 512 // 16). The tables of the other learned posemb kinds are resized to
+    init_params's with `resize_table`: learned_2d's rows and columns each on its axis,
+    relative's offsets; `none` and `sincos_2d` have nothing to resize;
+  - a file whose posemb kind (`file_posemb`) is not `model.posemb` is a CheckpointError.
   Anything else must match `init_params` path by path and shape by shape, or a CheckpointError
   lists what differs, in the per-block layout of the file. Returns a nested dict of numpy
   arrays with exactly init_params's structure, shapes and dtypes, scanned when init_params is
   (`scan_blocks`).
   """
   source = os.fspath(path)
-  restored = traverse_util.flatten_dict(unscan_blocks(load(source)))
+  params, spec = load_with_spec(source)
+  check_posemb(params, spec, model, source)
+  restored = traverse_util.flatten_dict(unscan_blocks(params))
   target = traverse_util.flatten_dict(unscan_blocks(init_params))
   if model.representation_size is None:
     restored = {p: v for p, v in restored.items() if p[0] != 'pre_logits'}
@@ -425,13 +507,7 @@ def load_pretrained(path, init_params: Params, model, *,
     restored = {p: v for p, v in restored.items() if p[0] != 'head'}
     restored.update({p: v for p, v in target.items() if p[0] == 'head'})
   restored = _fit_pretraining_params(restored, target, source)
-  has_class_token = model.has_class_token
-  # Resized only when the file and the model agree on the class token; else _check_flat says.
-  same_tokens = (('cls',) in restored) == has_class_token
-  if POSEMB_PATH in restored and POSEMB_PATH in target and same_tokens:
-    restored[POSEMB_PATH] = _fit_posemb(restored[POSEMB_PATH], target[POSEMB_PATH].shape,
-                                        has_class_token=has_class_token, grid=grid,
-                                        method=posemb_method)
+  restored = _fit_positions(restored, target, model, grid=grid, method=posemb_method)
   _check_flat(restored, target, source)
   params = traverse_util.unflatten_dict(
       {p: np.asarray(restored[p], dtype=target[p].dtype) for p in target})
@@ -460,8 +536,19 @@ def posemb_of(params: Params) -> np.ndarray:
 
 
 def native_image_size(params: Params, model) -> int:
-  """The image size, in pixels, at which the checkpoint's position embeddings form the grid."""
-  num_patches = posemb_of(params).shape[1] - model.has_class_token
+  """The image size, in pixels, at which the checkpoint's position parameters (of
+  `model.posemb`'s kind) form the grid; one patch for the kinds without any (none, sincos_2d),
+  which fit every grid."""
+  if model.posemb == 'learned_1d':
+    num_patches = posemb_of(params).shape[1] - model.has_class_token
+  elif model.posemb in ('learned_2d', 'relative'):
+    shapes = {path[-1]: np.shape(v) for path, v in traverse_util.flatten_dict(params).items()}
+    if model.posemb == 'learned_2d':
+      num_patches = shapes[positions.ROW][0] * shapes[positions.COLUMN][0]
+    else:  # (2P - 1, N, K), or (L, 2P - 1, N, K) scanned.
+      num_patches = (shapes[positions.RELATIVE][-3] + 1) // 2
+  else:
+    return model.patch_pixels[0]
   side, _ = square_grid(num_patches, "The checkpoint's position embeddings "
                         '(pass --image_size)')
   return side * model.patch_pixels[0]

@@ -46,6 +46,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.scan_layers = False
   config.remat_policy = ml_collections.FieldReference(None, field_type=str)
   config.attention = 'auto'
+  # Position information (vit_jax.positions.POSEMB_KINDS); learned_1d: the published layout.
+  config.posemb = 'learned_1d'
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
   config.pretrained_keep_head = False  # True: keep the file's head (same classes).
@@ -147,6 +149,8 @@ FIELD_HELP = {
                     "'nothing_saveable'; None: off.",
     'attention': "Attention kernel: 'xla', 'cudnn' (fused; NVIDIA GPUs, 16-bit floats) or "
                  "'auto' (cudnn on NVIDIA GPUs, else xla).",
+    'posemb': "Position information: 'learned_1d' (published), 'none', 'learned_2d', "
+              "'relative' (attention bias; XLA attention) or 'sincos_2d' (fixed).",
     'pretrained_path': 'Fine-tune from this .npz checkpoint, training workdir, or published name '
                        '(augreg:B/16; python -m vit_jax.checkpoint --list).',
     'posemb_method': "How pretrained position embeddings are resized: 'bilinear', ...",

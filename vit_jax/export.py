@@ -68,6 +68,10 @@ def _timm_hybrid(model) -> str:
 
 def check_exportable(model, format_name: str) -> None:
   """An ExportError, saying why, if `format_name` cannot represent `model`."""
+  if format_name in ('timm', 'hf') and model.posemb != 'learned_1d':
+    raise ExportError(f"timm's and Hugging Face's ViTs add learned 1-D position embeddings; "
+                      f"posemb='{model.posemb}' has other position information: use --format "
+                      'saved_model.')
   if format_name == 'timm':
     if model.representation_size is not None:
       raise ExportError("timm's VisionTransformer has no pre-logits (representation) layer, and "

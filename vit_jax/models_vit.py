@@ -8,7 +8,8 @@ The parameter tree is the one of the published checkpoints:
 `Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
 MlpBlock_0}`,
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
-`conv_root`, `gn_root`, `block{i}/unit{j}/...`. With `scan_layers=True` the blocks are instead
+`conv_root`, `gn_root`, `block{i}/unit{j}/...`. Other `posemb` kinds (vit_jax.positions) replace
+`pos_embedding` with theirs, or with none. With `scan_layers=True` the blocks are instead
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
 Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
 'mlp' M, ...) for vit_jax.sharding's rules; parameter trees stay plain arrays.
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from vit_jax import models_resnet
+from vit_jax import positions
 from vit_jax.sharding import with_axes
 
 Dtype = Any
@@ -179,12 +181,15 @@ class MultiHeadDotProductAttention(nn.Module):
   where `cudnn_fits` allows, through `padded_attention` (in training, on tokens padded to a
   multiple of CUDNN_TRAIN_SEQ_MULTIPLE); attention dropout, and the attention weights (B, N,
   T, T) sown as `attention_weights` when the caller makes `intermediates` mutable (for the
-  visualisations), take XLA's path.
+  visualisations), take XLA's path. With `relative_patches` P > 0 it is the relative attention
+  of vit_jax.positions (on the last P tokens), its table `relative_embedding` (2P - 1, N, K),
+  and always XLA's path: the logits bias it adds goes to no fused kernel here.
   """
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   attention: str = 'xla'  # One of ATTENTION_KERNELS.
+  relative_patches: int = 0  # posemb='relative': the number of patch tokens P; 0: off.
 
   @nn.compact
   def __call__(self, x, *, deterministic):
@@ -204,9 +209,14 @@ class MultiHeadDotProductAttention(nn.Module):
     key, value = project('key'), project('value')  # q, key, value: (B, N, T, K).
 
     use_dropout = self.dropout_rate > 0 and not deterministic
+    relative = None if not self.relative_patches else positions.learned_table(
+        self, positions.RELATIVE, (2 * self.relative_patches - 1, n, k), 'offset', 'heads',
+        'head_dim')
     if (self.attention == 'xla' or use_dropout or self.is_mutable_collection('intermediates')
-        or not cudnn_fits(self.dtype, k)):
+        or relative is not None or not cudnn_fits(self.dtype, k)):
       logits = jnp.einsum('bnqk,bntk->bnqt', q, key)
+      if relative is not None:
+        logits = logits + positions.relative_logits(q, relative.astype(self.dtype))
       weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
       self.sow('intermediates', 'attention_weights', weights)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
@@ -261,6 +271,7 @@ class Encoder1DBlock(nn.Module):
   approximate_gelu: bool = True
   dtype: Dtype = jnp.float32
   attention: str = 'xla'
+  relative_patches: int = 0  # See MultiHeadDotProductAttention.
 
   def drop_branch(self, branch, deterministic, drop_rate):
     """`branch` through `drop_path` in training with a `drop_rate`; as it is otherwise."""
@@ -273,7 +284,8 @@ class Encoder1DBlock(nn.Module):
     x = _layer_norm(self.dtype)(inputs)
     x = MultiHeadDotProductAttention(
         num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-        attention=self.attention)(x, deterministic=deterministic)
+        attention=self.attention, relative_patches=self.relative_patches)(
+            x, deterministic=deterministic)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     x = self.drop_branch(x, deterministic, drop_rate) + inputs
     y = _layer_norm(self.dtype)(x)
@@ -313,6 +325,8 @@ class Encoder(nn.Module):
   that keep unscanned recomputations apart and merges them back into the forward pass.
   In training, block i drops its branches at `stochastic_depth_rates(stochastic_depth, ...)[i]`;
   scanned blocks take their rate as a scanned input.
+  `posemb` (vit_jax.positions) says how positions enter, for patches on a grid of (rows,
+  columns) `grid`: at the input (`posembed_input`), or in each block's attention (relative).
   """
   num_layers: int
   mlp_dim: int
@@ -326,6 +340,7 @@ class Encoder(nn.Module):
   attention: str = 'xla'
   stochastic_depth: float = 0.0
   stochastic_depth_schedule: str = 'linear'
+  posemb: str = 'learned_1d'
 
   def remat(self, block_class):
     """`block_class`, rematerialised under `remat_policy` when one is set."""
@@ -336,15 +351,21 @@ class Encoder(nn.Module):
                     prevent_cse=not self.scan_layers, static_argnums=(2,))
 
   @nn.compact
-  def __call__(self, x, *, train):
-    x = AddPositionEmbs(name='posembed_input')(x)
+  def __call__(self, x, *, train, grid: Optional[tuple[int, int]] = None):
+    if self.posemb == 'learned_1d':
+      x = AddPositionEmbs(name='posembed_input')(x)
+    elif grid is None:
+      raise ValueError(f'posemb={self.posemb!r} needs the grid (rows, columns) of the patches.')
+    else:
+      x = positions.AddGridPositions(self.posemb, name='posembed_input')(x, grid)
     x = nn.with_logical_constraint(nn.Dropout(self.dropout_rate)(x, deterministic=not train),
                                    TOKENS)
     block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,
                         dropout_rate=self.dropout_rate,
                         attention_dropout_rate=self.attention_dropout_rate,
                         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
-                        attention=self.attention)
+                        attention=self.attention,
+                        relative_patches=math.prod(grid) if self.posemb == 'relative' else 0)
     rates = (stochastic_depth_rates(self.stochastic_depth, self.num_layers,
                                     self.stochastic_depth_schedule)
              if train and self.stochastic_depth > 0 else (None,) * self.num_layers)
@@ -391,6 +412,7 @@ class VisionTransformer(nn.Module):
   stochastic_depth: float = 0.0
   # 'linear': rising from 0 at the first block to stochastic_depth at the last; or 'uniform'.
   stochastic_depth_schedule: str = 'linear'
+  posemb: str = 'learned_1d'  # How positions enter: one of positions.POSEMB_KINDS.
 
   def check_images(self, images):
     """Raises a ValueError, naming the sizes, for images the model cannot cut into patches."""
@@ -401,6 +423,7 @@ class VisionTransformer(nn.Module):
                        "(models_vit.resolve_attention turns 'auto' into one for the devices).")
     if error := stochastic_depth_error(self.stochastic_depth, self.stochastic_depth_schedule):
       raise ValueError(error)
+    positions.check_posemb(self.posemb, self.hidden_size)
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
     if not jnp.issubdtype(images.dtype, jnp.floating):
@@ -479,8 +502,8 @@ class VisionTransformer(nn.Module):
                 approximate_gelu=self.approximate_gelu, dtype=self.dtype,
                 scan_layers=self.scan_layers, remat_policy=self.remat_policy,
                 attention=self.attention, stochastic_depth=self.stochastic_depth,
-                stochastic_depth_schedule=self.stochastic_depth_schedule,
-                name='Transformer')(x, train=train)
+                stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
+                name='Transformer')(x, train=train, grid=(h, w))
     if patch_task is not None:
       return patch_task.predict(self, x[:, int(self.has_class_token):])
 

@@ -67,13 +67,8 @@ def load_image(path: str, image_size: int) -> np.ndarray:
 
 
 def resized_to(params: dict, model, image_size: int) -> dict:
-  """`params` with the position embeddings resized for `image_size` pixels when needed."""
-  posemb, grid = checkpoint.posemb_of(params), model.grid(image_size)
-  if posemb.shape[1] == grid[0] * grid[1] + model.has_class_token:
-    return params
-  posemb = checkpoint.resize_posemb(posemb, grid, has_class_token=model.has_class_token)
-  transformer = dict(params['Transformer'], posembed_input={'pos_embedding': posemb})
-  return dict(params, Transformer=transformer)
+  """`params` with the position parameters resized for `image_size` pixels when needed."""
+  return checkpoint.fit_positions(params, model, image_size)
 
 
 def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:

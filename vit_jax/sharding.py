@@ -44,6 +44,7 @@ LOGICAL_AXIS_RULES = (
     ('repr', 'data'),
     ('head_dim', None),  # Never split.
     ('seq', None),
+    ('offset', None),  # posemb='relative': the 2P - 1 offsets, an odd number.
     ('layers', None),
     ('conv_height', None),
     ('conv_width', None),

@@ -32,6 +32,7 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import mpp
+from vit_jax import positions
 from vit_jax import published
 from vit_jax import randaugment
 from vit_jax import registry
@@ -148,7 +149,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
-                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS)):
+                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS),
+                         ('posemb', positions.POSEMB_KINDS)):
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
   return None
@@ -244,6 +246,7 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int):
   model = models.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
+      'posemb': config.posemb,
       'attention': models_vit.resolve_attention(config.attention, jax.devices())})
   if config.objective == 'masked_patch_prediction':
     return mpp.with_mpp(model, config.mpp.target)
@@ -573,11 +576,13 @@ def _flatten(tree: dict) -> dict[str, Any]:
 
 
 # The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
-STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers')
+STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers', 'posemb', 'objective',
+                'mpp.target')
 # Fields newer than some saved config.json files, with the value that behaves as the versions
 # without them did: a config that lacks one holds that value.
 ADDED_FIELDS = {'model.transformer.stochastic_depth': 0.0,
-                'model.transformer.stochastic_depth_schedule': 'linear'}
+                'model.transformer.stochastic_depth_schedule': 'linear',
+                'posemb': 'learned_1d', 'objective': 'supervised', 'mpp.target': 'mean_color_3bit'}
 
 
 def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:

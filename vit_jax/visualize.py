@@ -42,6 +42,7 @@ from PIL import Image
 
 from vit_jax import analysis
 from vit_jax import checkpoint
+from vit_jax import positions
 from vit_jax import predict
 from vit_jax import published
 
@@ -260,9 +261,12 @@ def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
         f'{name}: attention from the {source}, last layer, per head')
     figures['mean_attention_distance'] = plot_mean_attention_distance(
         distances, image_size, f'{name}: mean attention distance over {len(images)} images')
-  if 'position_similarity' in wanted:
+  if 'position_similarity' in wanted and model.posemb in ('none', 'relative'):
+    print(f'Skipped position_similarity: {name} has posemb={model.posemb!r}, no embedding per '
+          'position to compare.', file=sys.stderr)
+  elif 'position_similarity' in wanted:
     similarity = analysis.position_similarity(
-        params['Transformer']['posembed_input']['pos_embedding'], grid, class_token)
+        positions.patch_embeddings(params, model.posemb, grid), grid, class_token=False)
     figures['position_similarity'] = plot_position_similarity(
         similarity, f'{name}: position embedding similarity')
   kernel = params['embedding']['kernel']
