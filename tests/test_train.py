@@ -355,7 +355,7 @@ def test_keep_checkpoints_0_keeps_every_checkpoint(tmp_path):
 
 
 def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeypatch):
-  def unreadable_test_split(*args):
+  def unreadable_test_split(*args, **kwargs):
     raise OSError('the test split cannot be read')  # As a flaky disk or a bad image would.
 
   monkeypatch.setattr(train, 'evaluate', unreadable_test_split)

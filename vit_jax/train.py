@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from clu import metric_writers
@@ -374,6 +375,14 @@ class CheckpointSaveError(RuntimeError):
   """A checkpoint save failed; the message is one line: what, where, free space, last good one."""
 
 
+def _from_orbax(record: logging.LogRecord) -> bool:
+  """Whether `record` comes from Orbax: logged by its code, naming it, or with an exception
+  raised in it (asyncio's 'Task exception was never retrieved' names only the task)."""
+  frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info else []
+  return any('orbax' in text for text in
+             [record.pathname, record.getMessage()] + [frame.filename for frame in frames])
+
+
 class _SaveErrorCatcher(logging.Filter):
   """Keeps Orbax's error records off the console (a failed background save logs hundreds of
   traceback lines from several threads) and holds the first as the reason of the failure."""
@@ -383,7 +392,7 @@ class _SaveErrorCatcher(logging.Filter):
     self.reason = None
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR or 'orbax' not in record.pathname + record.getMessage():
+    if record.levelno < logging.ERROR or not _from_orbax(record):
       return True
     if self.reason is None:
       error = record.exc_info[1] if record.exc_info else None
@@ -527,8 +536,9 @@ class Checkpoints:
       self.confirm(wait=True)
     finally:
       self.manager.close()
-      for logger in _ORBAX_LOGGERS:
-        logging.getLogger(logger).removeFilter(self._errors)
+      if self._errors.reason is None:  # After a failure, the failed tasks may yet log, at exit.
+        for logger in _ORBAX_LOGGERS:
+          logging.getLogger(logger).removeFilter(self._errors)
 
 
 def adopt_ema(state: TrainState, keep: bool) -> TrainState:
