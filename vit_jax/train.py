@@ -423,6 +423,7 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
     self._pending = None  # The step of the save not yet confirmed.
+    self._failed = False  # Whether a save failed: its abandoned tasks may log until exit.
     self._errors = _SaveErrorCatcher()
     for logger in _ORBAX_LOGGERS:
       logging.getLogger(logger).addFilter(self._errors)
@@ -467,6 +468,7 @@ class Checkpoints:
       self.manager.delete(step)
 
   def _fail(self, step: int):
+    self._failed = True
     gc.collect()  # Orbax's abandoned tasks log their errors now, while they are filtered.
     for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp.
       if name.startswith(f'{step}.') and jax.process_index() == 0:
@@ -536,7 +538,7 @@ class Checkpoints:
       self.confirm(wait=True)
     finally:
       self.manager.close()
-      if self._errors.reason is None:  # After a failure, the failed tasks may yet log, at exit.
+      if not self._failed:  # Else the failed save's tasks may yet log their errors, up to exit.
         for logger in _ORBAX_LOGGERS:
           logging.getLogger(logger).removeFilter(self._errors)
 
