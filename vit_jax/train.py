@@ -140,7 +140,7 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   if error := randaugment.config_error(config.pp.get('randaug')):
     return error
-  if config.get('mixup') and not config.mixup.p >= 0:
+  if not config.mixup.p >= 0:
     return f'config.mixup.p={config.mixup.p!r} must be 0 (off) or more, e.g. 0.2.'
   if not 0 <= config.ema_decay < 1:
     return (f'config.ema_decay={config.ema_decay!r} must be in [0, 1), e.g. 0.9998 '

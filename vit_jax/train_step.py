@@ -157,7 +157,7 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
 
   def train_step(state: TrainState, batch: Batch):
     rng = jax.random.fold_in(state.rng, state.step)
-    if config.get('mixup') and config.mixup.p:  # A key no micro-batch's dropout takes.
+    if config.mixup.p:  # A key no micro-batch's dropout takes.
       batch = mixup(jax.random.fold_in(rng, _MIXUP), batch, config.mixup.p, model.num_classes)
     (loss, objective_metrics), grads = loss_and_grads(state.params, batch, rng)
     grad_norm = optax.tree.norm(grads)
