@@ -54,6 +54,14 @@ def tiny_config(**overrides):
   return config
 
 
+def xla_flags(devices: int | None) -> str:
+  """This session's XLA_FLAGS (conftest.py's) for a process with `devices` simulated CPU devices,
+  or with JAX's own count if None."""
+  count = '--xla_force_host_platform_device_count'
+  flags = [flag for flag in os.environ.get('XLA_FLAGS', '').split() if not flag.startswith(count)]
+  return ' '.join(flags + ([f'{count}={devices}'] if devices else []))
+
+
 def read_scalars(workdir) -> dict[str, dict[int, float]]:
   """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
   return {tag: dict(zip(steps.tolist(), values.tolist()))

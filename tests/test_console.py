@@ -9,6 +9,7 @@ import sys
 import orbax.checkpoint as ocp
 from tensorboard.backend.event_processing import event_accumulator
 
+from helpers import xla_flags
 from vit_jax import console
 from vit_jax import train
 
@@ -21,7 +22,8 @@ MAX_LINES = 12  # Workdir, mesh, model, 1 progress step, 1 evaluation, 1 checkpo
 
 
 def test_quick_start_prints_the_projects_lines_only(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'TF_CPP_MIN_LOG_LEVEL')}
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  env['XLA_FLAGS'] = xla_flags(None)  # JAX's own device count, as for a user.
   result = subprocess.run(
       [sys.executable, '-m', 'vit_jax.main', '--config.total_steps=20', f'--workdir={tmp_path}',
        *FEWER_IMAGES],

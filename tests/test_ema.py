@@ -16,6 +16,8 @@ from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
 
+pytestmark = pytest.mark.xdist_group('ema')  # Its module fixtures are built once.
+
 
 def tiny_config(**overrides):
   config = tiny_config_file.get_config()

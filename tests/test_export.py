@@ -26,6 +26,8 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import torch_layout
 
+pytestmark = pytest.mark.xdist_group('export')  # Its module fixtures are built once.
+
 SIZE = 64  # The 'testing' model (patch 16, hidden 16, MLP 32, 2 heads, 1 layer): 4x4 patches.
 CLASSES = 5
 

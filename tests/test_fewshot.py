@@ -10,6 +10,8 @@ from vit_jax import checkpoint
 from vit_jax import fewshot
 from vit_jax import models
 
+pytestmark = pytest.mark.xdist_group('fewshot')  # Its module fixtures are built once.
+
 # The tiny model of tests/tiny_config.py, as training records it in a workdir's config.json.
 TINY_MODEL = {
     'name': 'tiny', 'patches': {'size': [7, 7]}, 'hidden_size': 32,

@@ -16,8 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+import helpers
 from vit_jax import train
 import tiny_config
+
+pytestmark = pytest.mark.xdist_group('fewshot_processes')  # Its module fixtures are built once.
 
 NUM_PROCESSES = 2
 TIMEOUT = 600  # Seconds the worker processes may take together (on a loaded 2-core machine).
@@ -52,7 +55,7 @@ def per_process(tmp_path_factory) -> list[dict[str, float]]:
   """The metrics each of the 2 processes got."""
   out = tmp_path_factory.mktemp('processes')
   address = f'127.0.0.1:{free_port()}'
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'}
+  env = {**os.environ, 'XLA_FLAGS': helpers.xla_flags(2)}
   workers = [subprocess.Popen([sys.executable, __file__, address, str(i), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]

@@ -11,6 +11,8 @@ from vit_jax import input_pipeline_sources as sources
 from vit_jax import train
 import tiny_config
 
+pytestmark = pytest.mark.xdist_group('fewshot_training')  # Its module fixtures are built once.
+
 SHOTS, SEEDS, HOLDOUT = (1, 5), (0, 1), 3
 
 

@@ -21,6 +21,8 @@ from vit_jax import input_pipeline as ip
 from vit_jax import input_pipeline_sources
 import tiny_tfds
 
+pytestmark = pytest.mark.xdist_group('input_pipeline')  # Its module fixtures are built once.
+
 with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
   EMBEDDED = {name: data[name] for name in data.files}  # Decompressed once.
 FOLDER_CLASSES = ('bag', 'coat', 'sandal')  # Fashion-MNIST classes 8, 4, 5.

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group('install')  # Its module fixtures are built once.
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300  # Seconds any one command may run.
 DECOY = 'raise ImportError("the decoy configs package was imported")\n'

@@ -20,6 +20,7 @@ import pytest
 
 from helpers import TINY_CONFIG
 from helpers import tiny_config
+from helpers import xla_flags
 from vit_jax import config as defaults
 from vit_jax import analysis
 from vit_jax import checkpoint
@@ -101,6 +102,10 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
+# The tests that compare with it run in one pytest-xdist worker, which builds it once.
+SHARES_UNINTERRUPTED = pytest.mark.xdist_group('uninterrupted')
+
+
 def final_params(workdir):
   return checkpoint.load(os.path.join(workdir, 'model.npz'))
 
@@ -172,6 +177,7 @@ def interrupt(workdir, signal_name):
   return run.log
 
 
+@SHARES_UNINTERRUPTED
 def test_sigterm_checkpoints_exits_0_and_the_printed_command_resumes(tmp_path, uninterrupted):
   log = interrupt(tmp_path, 'SIGTERM')  # A preemption.
   command = shlex.split(log.split('To resume: ')[1].splitlines()[0])
@@ -188,6 +194,7 @@ def test_ctrl_c_checkpoints_and_exits_0(tmp_path):
   assert str(step) in os.listdir(tmp_path / 'checkpoints')
 
 
+@SHARES_UNINTERRUPTED
 def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
     tmp_path, uninterrupted):
   run = MainProcess(tmp_path, LONG_RUN)
@@ -211,7 +218,7 @@ def test_the_same_command_without_workdir_resumes_in_a_workdir_named_after_the_c
            'batch': 6, 'test_split': 'test[:64]', 'batch_eval': 64}
   # On 2 cores, without conftest.py's 8 devices: one CPU device per core (2 divides the batch).
   cores = set(sorted(os.sched_getaffinity(0))[:2])
-  one_device_per_core = {'env': {'XLA_FLAGS': ''}, 'cores': cores, 'cwd': tmp_path}
+  one_device_per_core = {'env': {'XLA_FLAGS': xla_flags(None)}, 'cores': cores, 'cwd': tmp_path}
   status, log = run_main(None, short, **one_device_per_core)
   assert status == 0, log
   devices = len(cores)
@@ -269,10 +276,11 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@SHARES_UNINTERRUPTED
 def test_two_processes_train_like_one_with_all_devices(tmp_path, uninterrupted):
   """2 processes x 4 CPU devices (JAX's distributed runtime, gloo) against 1 x 8 devices."""
   address = f'127.0.0.1:{free_port()}'
-  env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+  env = {'XLA_FLAGS': xla_flags(4)}
   runs = [MainProcess(tmp_path, LONG_RUN, f'--coordinator_address={address}',
                       '--num_processes=2', f'--process_id={i}', env=env) for i in range(2)]
   # If one process fails, the other would wait for it: then stop both and show both logs.

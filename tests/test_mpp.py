@@ -2,6 +2,7 @@
 import logging
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from vit_jax import mpp
 from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
+
+pytestmark = pytest.mark.xdist_group('mpp')  # Its module fixtures are built once.
 
 
 def pixels(uint8_image):
@@ -193,11 +196,11 @@ def test_bad_values_are_one_line_errors(overrides, message):
 
 def mpp_config(dataset, **overrides):
   """The tiny run of tests/tiny_config.py pre-training by masked patch prediction on `dataset`,
-  4 steps."""
+  4 steps, checkpoints of steps 2 and 4 kept."""
   config = tiny_config.get_config()
   config.update(dict(objective='masked_patch_prediction', dataset=dataset, test_split='test',
                      batch=16, batch_eval=16, total_steps=4, warmup_steps=1, progress_every=2,
-                     eval_every=4, checkpoint_every=4, **overrides))
+                     eval_every=4, checkpoint_every=2, **overrides))
   return config
 
 
@@ -230,3 +233,16 @@ def test_run_logs_mpp_metrics_and_writes_the_published_layout(mpp_workdir):
   params = checkpoint.load(os.path.join(workdir, 'model.npz'))
   assert {'embedding', 'cls', 'Transformer', 'head', 'mpp_head', 'mpp_mask_embedding'} == set(
       params)
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_did(mpp_workdir, unlabelled_folder,
+                                                            tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(mpp_workdir[0], workdir)
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '4'))  # As if stopped after step 2.
+  os.remove(os.path.join(workdir, 'model.npz'))
+  metrics = train.train_and_evaluate(mpp_config(unlabelled_folder), workdir)
+  # The corruption of steps 3 and 4 is drawn again from the same keys.
+  jax.tree.map(np.testing.assert_array_equal, checkpoint.load(os.path.join(workdir, 'model.npz')),
+               checkpoint.load(os.path.join(mpp_workdir[0], 'model.npz')))
+  assert metrics['test_mpp_loss'] == mpp_workdir[1]['test_mpp_loss']

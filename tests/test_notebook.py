@@ -14,6 +14,8 @@ import numpy as np
 from PIL import Image
 import pytest
 
+pytestmark = pytest.mark.xdist_group('notebook')  # Its module fixtures are built once.
+
 NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, 'notebooks', 'vit_jax.ipynb')
 CELL_TIMEOUT_S = 300
 NUM_FIGURES = 8  # Predictions, rollout, per-layer maps, distance, positions, filters, 2 curves.

@@ -19,6 +19,8 @@ from vit_jax import train
 from vit_jax import train_step
 from vit_jax import visualize
 
+pytestmark = pytest.mark.xdist_group('posemb')  # Its module fixtures are built once.
+
 KINDS = positions.POSEMB_KINDS
 PATCH = 16  # The 'testing' model: patches 16, hidden 16, MLP 32, 2 heads (K = 8).
 

@@ -20,6 +20,8 @@ from vit_jax import published
 from vit_jax import registry
 from vit_jax import train
 
+pytestmark = pytest.mark.xdist_group('published')  # Its module fixtures are built once.
+
 
 # The table.
 

@@ -13,6 +13,8 @@ from vit_jax import config as defaults
 from vit_jax import models
 from vit_jax import train_step
 
+pytestmark = pytest.mark.xdist_group('train_step')  # Its module fixtures are built once.
+
 
 @pytest.fixture(scope='module')
 def setup():
