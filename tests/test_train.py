@@ -30,6 +30,18 @@ def test_short_run_learns(trained_run):
   assert metrics['test_accuracy'] > 0.4  # Chance is 0.1.
 
 
+def test_a_short_run_with_every_augmentation_and_regulariser_still_learns(tmp_path):
+  config = tiny_config(ema_decay=0.9)
+  config.pp.randaug = (2, 5)
+  config.mixup.p = 0.2
+  config.model.transformer.stochastic_depth = 0.1
+  config.model.transformer.dropout_rate = 0.1
+  metrics = train.train_and_evaluate(config, str(tmp_path))
+  losses = read_scalars(tmp_path)['train_loss']
+  assert losses[60] < losses[20] < np.log(10)  # Chance-level loss is log(10).
+  assert metrics['test_accuracy'] > 0.3 and metrics['test_accuracy_ema'] > 0.3  # Chance: 0.1.
+
+
 def test_metrics_reach_tensorboard(trained_run):
   workdir, _ = trained_run
   scalars = read_scalars(workdir)
