@@ -12,7 +12,7 @@ import pytest
 # optimisation level 1, rather than XLA's default, a compile-bound test runs about twice as fast
 # and a 150-step training run a little faster, with the same losses (measured 2026-12-01, 2-core
 # CPU). Tests that start processes with other devices keep these flags (helpers.xla_flags).
-QUICK_COMPILE = ['--xla_backend_optimization_level=1']
+QUICK_COMPILE = ['--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false']
 _DEVICES = '--xla_force_host_platform_device_count'
 os.environ['XLA_FLAGS'] = ' '.join(
     [flag for flag in os.environ.get('XLA_FLAGS', '').split()
