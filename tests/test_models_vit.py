@@ -15,6 +15,7 @@ from helpers import images_of
 from helpers import random_params
 from helpers import tiny_vit
 from vit_jax import checkpoint
+from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import models_resnet
 
@@ -172,11 +173,10 @@ def test_unknown_classifier_is_a_clear_error():
 
 
 def test_hybrid_stem_divides_resolution_by_its_stride():
-  images = images_of(size=64, batch=1)
   for num_layers, stride in [((), 4), ((1, 1), 8), ((1, 1, 1), 16)]:
     assert models_resnet.stem_stride(num_layers) == stride
     model = tiny_vit(patch_size=(1, 1), resnet_layers=num_layers, resnet_width_factor=0.5)
-    params = model.init(jax.random.key(0), images, train=False)['params']
+    params = models.param_shapes(model, image_size=64)  # Shapes only: nothing is computed.
     tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1]
     assert tokens == (64 // stride)**2 + 1
 
@@ -331,10 +331,13 @@ def test_padded_and_masked_attention_equals_plain_attention_with_gradients(token
   q, k, v = (jax.random.normal(key, (2, 3, tokens, 8))
              for key in jax.random.split(jax.random.key(0), 3))
   padded = lambda *a: models_vit.padded_attention(*a, multiple=16, implementation='xla')
-  np.testing.assert_allclose(padded(q, k, v), plain_attention(q, k, v), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(padded(q, k, v), np_msa_heads(q, k, v), rtol=1e-4, atol=1e-5)
-  grads = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(q, k, v)
-  for expected, actual in zip(grads(plain_attention), grads(padded)):
+  # f(q, k, v) and the gradients of sum(sin(f)), in one jitted program each.
+  with_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(
+      lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(*a)))(q, k, v)
+  (out, grads), (expected, expected_grads) = with_grads(padded), with_grads(plain_attention)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out, np_msa_heads(q, k, v), rtol=1e-4, atol=1e-5)
+  for expected, actual in zip(expected_grads, grads):
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -373,8 +376,8 @@ def mean_logit(model, images, train):
 
 def lowered_for_gpu(model, images, train):
   """The StableHLO text of `mean_logit`, lowered for a CUDA GPU on whatever host runs the
-  test (the parameters are initialised here, on the CPU, with XLA's attention)."""
-  params = model.clone(attention='xla').init(jax.random.key(0), images, train=False)['params']
+  test (the parameters' shapes are traced with XLA's attention)."""
+  params = models.param_shapes(model.clone(attention='xla'), images.shape[1])
   return mean_logit(model, images, train).trace(params).lower(
       lowering_platforms=('cuda',)).as_text()
 
