@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 import tiny_tfds
+from vit_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, 'tests')
@@ -79,16 +80,13 @@ def test_readme_commands_and_tfds_lazy_imports_resolve():
 
 
 def test_tfds_dataset_prepares_and_trains_by_name(tmp_path):
+  # Importing tiny_tfds (above) registered its builder, as `--config=tests/tiny_tfds.py` does.
   data_dir, workdir = tmp_path / 'tfds', tmp_path / 'workdir'
-  overrides = dict(dataset='tiny_fashion_mnist', tfds_data_dir=data_dir, test_split='test',
-                   batch=8, batch_eval=8, total_steps=4, progress_every=2, eval_every=4,
-                   checkpoint_every=4)
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.main', f'--config={TESTS}/tiny_tfds.py',
-       f'--workdir={workdir}', *(f'--config.{k}={v}' for k, v in overrides.items())],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env={**os.environ, 'PYTHONPATH': os.pathsep.join([ROOT, TESTS])})
-  assert result.returncode == 0, result.stdout + result.stderr
+  config = tiny_tfds.get_config()
+  config.update(dict(dataset='tiny_fashion_mnist', tfds_data_dir=str(data_dir), test_split='test',
+                     batch=8, batch_eval=8, total_steps=4, progress_every=2, eval_every=4,
+                     checkpoint_every=4))
+  train.train_and_evaluate(config, str(workdir))
   # tfds reads back what the run prepared: the builder's splits, under the given data_dir.
   prepared = tfds.builder('tiny_fashion_mnist', data_dir=str(data_dir))
   assert prepared.is_prepared()
