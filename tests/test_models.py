@@ -32,7 +32,9 @@ PUBLISHED_SIZES = {
 
 @pytest.mark.parametrize('name,size', PUBLISHED_SIZES.items())
 def test_parameter_count_matches_published(name, size):
-  model = models.get_model(name, num_classes=1000)
+  # Scanned, the blocks are traced once; their parameters are the unscanned ones, stacked (the
+  # unscanned count: test_hybrid_r50_b16_has_14x14_tokens_at_224_and_its_published_count).
+  model = models.get_model(name, num_classes=1000, scan_layers=True)
   assert models.count_params(model, image_size=224) == size
 
 
@@ -54,11 +56,13 @@ def test_overrides_replace_fields_and_unknown_ones_fail():
     models.get_model('ViT-B_16', num_classes=10, hidden_sizes=3)
 
 
-def test_hybrid_r50_b16_gives_14x14_tokens_at_224():
-  params = models.param_shapes(models.get_model('R50+ViT-B_16', num_classes=10), 224)
+def test_hybrid_r50_b16_has_14x14_tokens_at_224_and_its_published_count():
+  params = models.param_shapes(models.get_model('R50+ViT-B_16', num_classes=1000), 224)
   assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 14 * 14 + 1, 768)
   assert params['embedding']['kernel'].shape == (1, 1, 1024, 768)
   assert params['block3']['unit9']['conv3']['kernel'].shape == (1, 1, 256, 1024)
+  assert 'encoderblock_11' in params['Transformer']  # Unscanned, as the published files are.
+  assert sum(x.size for x in jax.tree.leaves(params)) == PUBLISHED_SIZES['R50+ViT-B_16']
 
 
 def xla_gflops(model, image_size):
