@@ -1,4 +1,5 @@
 """Tests of masked patch prediction, vit_jax/mpp.py: targets, corruption, loss, fine-tuning."""
+import functools
 import logging
 import os
 import re
@@ -11,6 +12,7 @@ import numpy as np
 from PIL import Image
 import pytest
 
+import helpers
 import tiny_config
 from vit_jax import analysis
 from vit_jax import checkpoint
@@ -89,19 +91,20 @@ def model():
   return mpp.with_mpp(tiny_model(), 'mean_color_3bit')
 
 
+def init_params(model, images, seed=0):
+  """`model`'s initial params for `images`, in one compiled program (not one per operation)."""
+  init = jax.jit(functools.partial(model.init, train=False))
+  return init(jax.random.key(seed), images)['params']
+
+
 @pytest.fixture(scope='module')
 def random_params(model):
   """Params of `model` with every leaf random, so that every output depends on its inputs."""
-  params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)['params']
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(tree, [0.1 * jax.random.normal(k, x.shape)
-                                   for k, x in zip(keys, leaves)])
+  return helpers.random_params(model, 16, seed=1, scale=0.1)
 
 
 def test_extra_params_sit_beside_the_published_layout(model, random_params):
-  supervised = tiny_model()
-  published = supervised.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)['params']
+  published = models.param_shapes(tiny_model(), 16)
   assert set(random_params) == set(published) | {'mpp_mask_embedding', 'mpp_head'}
   assert random_params['mpp_head']['kernel'].shape == (16, 512)
   axes = sharding.param_axes(sharding.declared_params(model, 16))
@@ -117,7 +120,7 @@ def test_masked_and_replaced_patches_get_no_gradient_through_their_pixels(model,
   images = jax.random.uniform(jax.random.key(2), (2, 16, 16, 3), minval=-1, maxval=1)
   predict = lambda x: jnp.sum(model.apply({'params': random_params}, x, train=False,
                                           patch_task=task)**2)
-  grads = mpp.patches_of(jax.grad(predict)(images), (8, 8))
+  grads = mpp.patches_of(jax.jit(jax.grad(predict))(images), (8, 8))
   norms = np.asarray(jnp.sqrt(jnp.sum(grads**2, axis=(2, 3, 4))))
   assert norms[0, 0] == 0 and norms[0, 1] == 0  # Masked; replaced by another patch.
   assert norms[0, 2] > 0 and norms[1, 3] > 0  # Kept; the source of the replacement.
@@ -127,10 +130,11 @@ def test_masked_and_replaced_patches_get_no_gradient_through_their_pixels(model,
 def test_other_targets_give_a_loss_and_accuracy_per_image(target, outputs):
   model = mpp.with_mpp(tiny_model(classifier='gap', scan_layers=True), target)
   images = jax.random.uniform(jax.random.key(3), (2, 16, 16, 3), minval=-1, maxval=1)
-  params = model.init(jax.random.key(0), images, train=False)['params']
+  params = init_params(model, images)
   assert params['mpp_head']['kernel'].shape == (16, outputs)
   plan = mpp.corruption_plan(jax.random.key(4), 2, 4, 0.5, (0.8, 0.1, 0.1))
-  loss, accuracy = mpp.image_losses(model, params, images, plan, target, train=False)
+  losses = jax.jit(functools.partial(mpp.image_losses, model, target=target, train=False))
+  loss, accuracy = losses(params, images, plan)
   # The zero-initialised head predicts uniform colours, or black-grey pixels (all 0).
   expected = np.log(512) if target != 'patch_l2' else jnp.mean(images**2)
   np.testing.assert_allclose(loss, expected, rtol=0.1 if target == 'patch_l2' else 1e-5)
@@ -163,7 +167,7 @@ def test_fine_tuning_drops_the_extra_params_and_keeps_the_rest(model, random_par
   path = str(tmp_path / 'pretrained.npz')
   checkpoint.save(jax.device_get(random_params), path)
   supervised = tiny_model(num_classes=3)
-  fresh = supervised.init(jax.random.key(5), jnp.zeros((1, 16, 16, 3)), train=False)['params']
+  fresh = init_params(supervised, jnp.zeros((1, 16, 16, 3)), seed=5)
   with caplog.at_level(logging.INFO):
     loaded = checkpoint.load_pretrained(path, jax.device_get(fresh), supervised)
   assert 'Dropped the pre-training parameters mpp_head, mpp_mask_embedding' in caplog.text
