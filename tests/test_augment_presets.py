@@ -3,7 +3,7 @@
 import pytest
 
 from vit_jax import main
-from vit_jax import train
+from vit_jax import validation
 
 
 def load(spec):
@@ -24,7 +24,7 @@ def test_augreg_levels_set_the_papers_values_and_validate(arg, randaug, mixup, d
   assert config.model.transformer.stochastic_depth == dropout
   assert (config.batch, config.base_lr, config.weight_decay, config.warmup_steps) == (
       4096, 1e-3, 0.1, 10_000)
-  train.validate_config(config, 8)
+  validation.validate_config(config, 8)
 
 
 def test_augreg_i1k_trains_300_epochs_of_imagenet():
@@ -50,7 +50,7 @@ def test_scratch_small_counts_the_folder_for_its_schedule_and_validates(tmp_path
   assert (config.dataset, config.pp.crop) == (str(tmp_path), 32)
   assert config.total_steps == 100 * (300 // 128)  # 100 epochs of 2 steps.
   assert config.pp.randaug == (2, 10) and config.mixup.p == 0.2
-  train.validate_config(config, 8)
+  validation.validate_config(config, 8)
 
 
 def test_scratch_small_needs_a_folder():

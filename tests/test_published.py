@@ -18,7 +18,7 @@ from vit_jax import config as defaults
 from vit_jax import models
 from vit_jax import published
 from vit_jax import registry
-from vit_jax import train
+from vit_jax import validation
 
 pytestmark = pytest.mark.xdist_group('published')  # Its module fixtures are built once.
 
@@ -87,18 +87,18 @@ def test_list_prints_every_name_with_model_resolution_and_data(capsys):
 def test_a_published_name_sets_the_model_of_a_config_without_a_registry_model():
   config = defaults.get_config()  # Its ViT-mini_7 is not a registry model.
   config.pretrained_path = 'augreg:S/16'
-  train.use_published_model(config)
+  validation.use_published_model(config)
   assert config.model_name == 'ViT-S_16' and config.model.hidden_size == 384
 
 
 def test_a_published_name_of_another_registry_model_is_a_config_error():
   config = defaults.with_model(defaults.get_config(), 'ViT-L_16')
   config.pretrained_path = 'augreg:B/16'
-  with pytest.raises(train.ConfigError, match='--config.model_name=ViT-B_16'):
-    train.use_published_model(config)
+  with pytest.raises(validation.ConfigError, match='--config.model_name=ViT-B_16'):
+    validation.use_published_model(config)
   config.pretrained_path = 'augreg:B-16'
-  with pytest.raises(train.ConfigError, match='augreg:B/16'):
-    train.check_pretrained_path(config)
+  with pytest.raises(validation.ConfigError, match='augreg:B/16'):
+    validation.check_pretrained_path(config)
 
 
 # Downloads.

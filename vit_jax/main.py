@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from vit_jax import config as default_config
 from vit_jax import console
 from vit_jax import hardware
+from vit_jax import validation
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
 # Flags that ask for help: absl's (which would exit with status 1), and -h.
@@ -208,9 +209,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   console.setup(log_all=flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
-  from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
+  config = flags.FLAGS.config
   if not initialize_distributed():  # One process: on a CPU host, one device per core.
-    hardware.use_one_device_per_core(functools.partial(train.fits_devices, flags.FLAGS.config))
+    hardware.use_one_device_per_core(functools.partial(validation.fits_devices, config))
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')
@@ -218,10 +219,15 @@ def main(argv):
       logging.getLogger().setLevel(logging.WARNING)
   workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename)
   logging.info('Workdir: %s', os.path.abspath(workdir))
+  try:  # Before TensorFlow is imported: a bad value is reported in seconds.
+    validation.validate_config(config, jax.device_count())
+  except validation.ConfigError as e:
+    sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
   try:
-    metrics = train.train_and_evaluate(flags.FLAGS.config, workdir)
-  except train.ConfigError as e:
+    metrics = train.train_and_evaluate(config, workdir)
+  except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
   except train.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')

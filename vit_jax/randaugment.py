@@ -229,16 +229,3 @@ def randaugment(image: tf.Tensor, key: tf.Tensor, num_layers: int, magnitude: fl
     return image
   # A loop over the layers' keys: the operations enter the graph once, whatever num_layers is.
   return tf.foldl(layer, tf.random.experimental.stateless_split(key, num_layers), image)
-
-
-def config_error(randaug) -> str | None:
-  """Why `config.pp.randaug` cannot work, or None: it is None (off) or (num_layers >= 0,
-  0 <= magnitude <= 30)."""
-  if randaug is None:
-    return None
-  if (not isinstance(randaug, (tuple, list)) or len(randaug) != 2 or
-      not isinstance(randaug[0], int) or randaug[0] < 0 or
-      not isinstance(randaug[1], (int, float)) or not 0 <= randaug[1] <= 30):
-    return (f'config.pp.randaug={randaug!r} must be None (off) or (num_layers, magnitude) with '
-            'num_layers >= 0 and magnitude in [0, 30], e.g. (2, 10).')
-  return None
