@@ -1,8 +1,10 @@
-"""Config validation: every check a config passes before anything is compiled or TensorFlow is
-imported, each failure a ConfigError of one line naming the field and the fix.
+"""Config validation that needs no TensorFlow: the values, the mesh, the batches' split over the
+devices, the model and the pretrained path; each failure a ConfigError of one line naming the
+field and the fix.
 
-`python -m vit_jax.main` runs these checks before it starts its first heavy import, so that a
-bad value is reported in seconds; `train.train_and_evaluate` runs them for library callers.
+`python -m vit_jax.main` runs these checks before it imports TensorFlow, so that a bad value is
+reported within seconds; `train.train_and_evaluate` runs them for library callers, then checks
+the dataset and its splits (`train.check_data`, through tf.data), all before compiling.
 """
 import functools
 import logging
