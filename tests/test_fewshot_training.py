@@ -9,6 +9,7 @@ import pytest
 from vit_jax import fewshot
 from vit_jax import input_pipeline_sources as sources
 from vit_jax import train
+from vit_jax import validation
 import tiny_config
 
 pytestmark = pytest.mark.xdist_group('fewshot_training')  # Its module fixtures are built once.
@@ -76,7 +77,7 @@ def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
   config, _, _ = tiny
   config = config.copy_and_resolve_references()
   config.model.classifier = 'unpooled'
-  with pytest.raises(train.ConfigError) as error:
+  with pytest.raises(validation.ConfigError) as error:
     train.check_fewshot_model(train.build_model(config, num_classes=10))
   assert str(error.value) == (
       "config.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
