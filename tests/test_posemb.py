@@ -1,5 +1,6 @@
 """Tests of the position-embedding kinds (vit_jax/positions.py, `posemb`): the model, the
 checkpoint resizing and checks, and one training step of each, on tiny models."""
+import functools
 import math
 
 import jax
@@ -8,6 +9,7 @@ from jax.sharding import Mesh
 import numpy as np
 import pytest
 
+from helpers import random_params
 from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import export
@@ -31,8 +33,15 @@ def tiny(posemb, **overrides):
 
 
 def init(model, image_size):
-  images = jnp.zeros((1, image_size, image_size, 3))
-  return jax.device_get(model.init(jax.random.key(0), images, train=False)['params'])
+  """Random params of `model` for square images of `image_size` px, every one nonzero (made
+  from the shapes: nothing is compiled)."""
+  return random_params(model, image_size, scale=0.3)
+
+
+@functools.partial(jax.jit, static_argnames='model')
+def logits(model, params, x):
+  """The model's logits in evaluation mode, jitted once per model and shapes."""
+  return model.apply({'params': params}, x, train=False)
 
 
 def images(size, batch=2):
@@ -116,7 +125,7 @@ def test_relative_bias_depends_only_on_the_offset():
 
 def test_relative_with_a_zero_table_is_the_model_without_positions():
   relative, none = tiny('relative'), tiny('none')
-  params = jax.tree.map(np.array, init(relative, 64))  # Writable.
+  params = init(relative, 64)
   without = jax.tree.map(lambda x: x, params)
   for i in range(2):
     params['Transformer'][f'encoderblock_{i}']['MultiHeadDotProductAttention_0'][
@@ -124,8 +133,7 @@ def test_relative_with_a_zero_table_is_the_model_without_positions():
     del without['Transformer'][f'encoderblock_{i}']['MultiHeadDotProductAttention_0'][
         'relative_embedding']
   x = images(64)
-  np.testing.assert_allclose(relative.apply({'params': params}, x, train=False),
-                             none.apply({'params': without}, x, train=False), rtol=1e-6)
+  np.testing.assert_allclose(logits(relative, params, x), logits(none, without, x), rtol=1e-6)
 
 
 EXPECTED_PARAMS = {  # Position parameters of the 'testing' model (D 16, 2 heads) at 4x4 patches.
@@ -142,8 +150,9 @@ EXPECTED_PARAMS = {  # Position parameters of the 'testing' model (D 16, 2 heads
 @pytest.mark.parametrize('posemb', KINDS)
 def test_each_kind_has_its_parameters_and_logical_axes(posemb):
   model = tiny(posemb)
-  shapes = {k: v.shape for k, v in flat(init(model, 64)).items()}
-  added = {k: s for k, s in shapes.items() if k not in flat(init(tiny('none'), 64))}
+  shapes = {k: v.shape for k, v in flat(models.param_shapes(model, 64)).items()}
+  without_positions = flat(models.param_shapes(tiny('none'), 64))
+  added = {k: s for k, s in shapes.items() if k not in without_positions}
   assert added == EXPECTED_PARAMS[posemb]
   axes = sharding.param_axes(sharding.declared_params(model, 64))
   sharding.check_rules(axes, sharding.full_rules())
@@ -158,17 +167,18 @@ def test_scanned_blocks_compute_what_unscanned_ones_do(posemb):
   params = init(model, 48)
   scanned = model.clone(scan_layers=True, remat_policy='nothing_saveable')
   x = images(48)
-  np.testing.assert_allclose(
-      scanned.apply({'params': checkpoint.scan_blocks(params)}, x, train=False),
-      model.apply({'params': params}, x, train=False), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(logits(scanned, checkpoint.scan_blocks(params), x),
+                             logits(model, params, x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('posemb', ['learned_2d', 'relative', 'sincos_2d'])
 def test_hybrids_and_non_square_images_place_the_grid(posemb):
   # The ResNet root (stride 4) under 16x16 patches: 64x128 pixels are 1x2 patches.
   model = tiny(posemb, resnet_layers=())
-  params = model.init(jax.random.key(0), jnp.zeros((1, 64, 128, 3)), train=False)['params']
-  assert model.apply({'params': params}, jnp.zeros((2, 64, 128, 3)), train=False).shape == (2, 3)
+  images = jax.ShapeDtypeStruct((2, 64, 128, 3), jnp.float32)  # Shapes only: nothing runs.
+  params = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)[
+      'params']
+  assert jax.eval_shape(functools.partial(logits, model), params, images).shape == (2, 3)
   shapes = {k: v.shape for k, v in flat(params).items()}
   if posemb == 'learned_2d':
     assert shapes['Transformer/posembed_input/row_embedding'] == (1, 8)
@@ -183,8 +193,7 @@ def test_relative_attention_takes_xla_where_cudnn_would_run():
   # shows that the bias took XLA's path.
   model = tiny('relative', attention='cudnn', dtype=jnp.bfloat16)
   assert models_vit.cudnn_fits(model.dtype, model.hidden_size // model.num_heads)
-  logits = model.apply({'params': init(model, 32)}, images(32), train=False)
-  assert np.isfinite(np.asarray(logits)).all()
+  assert np.isfinite(np.asarray(logits(model, init(model, 32), images(32)))).all()
 
 
 @pytest.fixture(scope='module')
