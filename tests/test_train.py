@@ -20,7 +20,10 @@ from vit_jax import models
 from vit_jax import registry
 from vit_jax import train
 from vit_jax import train_step
+from vit_jax import validation
 
+# One worker builds the session's `trained_run` (and compiles its programs) for all these tests.
+pytestmark = pytest.mark.xdist_group('train')
 
 def test_short_run_learns(trained_run):
   workdir, metrics = trained_run
@@ -132,8 +135,13 @@ def one_step_state(config, mesh):
   return state, step
 
 
+# Momentum SGD at a constant rate: the gradient-accumulation and device-count tests compile the
+# same 8-device programs (the persistent compilation cache of conftest.py holds them).
+SGD = dict(optimizer='sgd', base_lr=0.1, warmup_steps=0)
+
+
 def test_gradient_accumulation_equals_the_full_batch():
-  config = tiny_config(optimizer='sgd', base_lr=0.1, warmup_steps=0)
+  config = tiny_config(**SGD)
   mesh = train.make_mesh(config)
   batch = next(input_pipeline.get_train_iterator(config, mesh))
   results = []
@@ -161,8 +169,8 @@ def loss_curve(config, devices=None, steps=3):
 
 def test_one_and_eight_devices_give_the_same_loss_curve():
   assert len(jax.devices()) == 8
-  np.testing.assert_allclose(loss_curve(tiny_config(), jax.devices()[:1], steps=5),
-                             loss_curve(tiny_config(), steps=5), rtol=1e-5)
+  np.testing.assert_allclose(loss_curve(tiny_config(**SGD), jax.devices()[:1], steps=5),
+                             loss_curve(tiny_config(**SGD), steps=5), rtol=1e-5)
 
 
 def test_rematerialised_scanned_layers_train_like_stored_ones():
@@ -173,15 +181,6 @@ def test_rematerialised_scanned_layers_train_like_stored_ones():
   np.testing.assert_allclose(loss_curve(configs[0]), loss_curve(configs[1]), rtol=1e-5)
 
 
-def test_fine_tune_from_npz_at_another_resolution(trained_run, tmp_path):
-  workdir, _ = trained_run
-  config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
-                       pretrained_path=os.path.join(workdir, 'model.npz'))
-  config.pp.crop = 56
-  metrics = train.train_and_evaluate(config, str(tmp_path))
-  params = checkpoint.load(os.path.join(tmp_path, 'model.npz'))
-  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 8 * 8 + 1, 32)
-  assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
 
 
 @pytest.mark.parametrize('given', ['model.npz', 'the workdir'])
@@ -212,15 +211,18 @@ def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_run, tmp_
   assert not train.build_model(config, num_classes=10).approximate_gelu
 
 
-def test_fine_tune_reads_deprecated_overrides_and_saves_them_in_the_spec(trained_run,
-                                                                        tmp_path):
-  converted = npz_without_spec(trained_run, tmp_path)
+def test_fine_tune_from_npz_at_another_resolution_reads_deprecated_overrides_into_the_spec(
+    trained_run, tmp_path):
+  converted = npz_without_spec(trained_run, tmp_path)  # As the published files are.
   checkpoint.save_model_overrides({'approximate_gelu': False}, converted)  # Older converters.
-  config = tiny_config(total_steps=2, eval_every=2, checkpoint_every=2, progress_every=1,
+  config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
                        pretrained_path=converted)
-  train.train_and_evaluate(config, str(tmp_path / 'run'))
-  model, _ = checkpoint.load_model(tmp_path / 'run')
-  assert not model.approximate_gelu
+  config.pp.crop = 56
+  metrics = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  model, params = checkpoint.load_model(tmp_path / 'run')
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 8 * 8 + 1, 32)
+  assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
+  assert not model.approximate_gelu  # The override, now in the spec of the run's model.npz.
 
 
 def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
@@ -250,7 +252,7 @@ def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
 ])
 def test_device_counts_that_fit_a_config(overrides, fitting):
   config = tiny_config(**overrides)
-  assert [n for n in range(1, 9) if train.fits_devices(config, n)] == fitting
+  assert [n for n in range(1, 9) if validation.fits_devices(config, n)] == fitting
 
 
 @pytest.mark.parametrize('overrides,message', [
@@ -295,7 +297,7 @@ def test_bad_value_fails_validation_before_anything_compiles(overrides, message)
   with pytest.raises(train.ConfigError, match=message) as error:
     train.validate_config(tiny_config(**overrides), 8)
   assert '\n' not in str(error.value)
-  assert not train.fits_devices(tiny_config(**overrides), 8)
+  assert not validation.fits_devices(tiny_config(**overrides), 8)
 
 
 def test_pretrained_folder_without_model_npz_is_a_config_error(tmp_path):
