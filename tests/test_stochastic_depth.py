@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 import tiny_config as tiny_config_file
 from vit_jax import checkpoint
 from vit_jax import models
@@ -27,14 +28,9 @@ def images(batch, seed=0):
 
 
 def random_params(model, seed=0):
-  """Params of `model` with every leaf drawn from N(0, 0.5^2): posemb and cls nonzero."""
-  leaves, tree = jax.tree.flatten(models.param_shapes(model, image_size=4))
-
-  def draw(key):
-    keys = jax.random.split(key, len(leaves))
-    return [0.5 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
-
-  return jax.tree.unflatten(tree, jax.jit(draw)(jax.random.key(seed)))
+  """Params of `model` with every leaf drawn from N(0, 0.5^2): posemb and cls nonzero. Drawn in
+  numpy from the shapes: nothing is compiled."""
+  return helpers.random_params(model, image_size=4, seed=seed, scale=0.5)
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'train'))
