@@ -8,6 +8,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 import pytest
 
+from helpers import random_params
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import registry
@@ -15,6 +16,8 @@ from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
 import tiny_config
+
+pytestmark = pytest.mark.xdist_group('sharding')  # Its cached training runs are made once.
 
 
 def config_for(strategy, mesh_model=1):
@@ -80,12 +83,14 @@ def test_unknown_strategy_is_a_clear_error():
 
 @functools.cache
 def loss_curve_and_state(strategy, mesh_model=1, steps=3):
-  """Losses of the first `steps` steps under `strategy`, and the state after them."""
+  """Losses of the first `steps` steps under `strategy` from the same random params (as a
+  fine-tuning run starts: the jitted init then draws none), and the state after them."""
   config = config_for(strategy, mesh_model)
   mesh = train.make_mesh(config)
   model = train.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
-  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 28)
+  params = random_params(model, 28, scale=0.05)
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 28, params)
   step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   batches = input_pipeline.get_train_iterator(config, mesh)
   losses = []
