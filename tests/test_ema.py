@@ -15,6 +15,7 @@ from vit_jax import checkpoint
 from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
+from vit_jax import validation
 
 pytestmark = pytest.mark.xdist_group('ema')  # Its module fixtures are built once.
 
@@ -128,8 +129,9 @@ def test_a_checkpoint_without_ema_resumes_with_one_started_from_its_params(stepp
 
 @pytest.mark.parametrize('decay', [1.0, -0.1, 1.5])
 def test_an_ema_decay_outside_0_1_is_a_one_line_config_error(decay):
-  with pytest.raises(train.ConfigError, match=r'^config.ema_decay=.* must be in \[0, 1\)') as e:
-    train.validate_config(tiny_config(ema_decay=decay), jax.device_count())
+  with pytest.raises(validation.ConfigError,
+                     match=r'^config.ema_decay=.* must be in \[0, 1\)') as e:
+    validation.validate_config(tiny_config(ema_decay=decay), jax.device_count())
   assert '\n' not in str(e.value)
 
 

@@ -22,6 +22,7 @@ from vit_jax import mpp
 from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
+from vit_jax import validation
 
 pytestmark = pytest.mark.xdist_group('mpp')  # Its module fixtures are built once.
 
@@ -193,8 +194,8 @@ def test_bad_values_are_one_line_errors(overrides, message):
     else:
       parent, _, name = field.rpartition('.')
       (config[parent] if parent else config)[name] = value
-  with pytest.raises(train.ConfigError, match=re.escape(message)) as error:
-    train.validate_config(config, 1)
+  with pytest.raises(validation.ConfigError, match=re.escape(message)) as error:
+    validation.validate_config(config, 1)
   assert '\n' not in str(error.value)
 
 

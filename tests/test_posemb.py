@@ -19,6 +19,7 @@ from vit_jax import positions
 from vit_jax import sharding
 from vit_jax import train
 from vit_jax import train_step
+from vit_jax import validation
 from vit_jax import visualize
 
 pytestmark = pytest.mark.xdist_group('posemb')  # Its module fixtures are built once.
@@ -306,8 +307,8 @@ def test_config_posemb_builds_the_model_and_unknown_kinds_are_errors():
   config.posemb = 'relative'
   assert train.build_model(config, num_classes=10).posemb == 'relative'
   config.posemb = 'rope'
-  with pytest.raises(train.ConfigError, match=r"config.posemb='rope' is not one of \("):
-    train.validate_config(config, num_devices=1)
+  with pytest.raises(validation.ConfigError, match=r"config.posemb='rope' is not one of \("):
+    validation.validate_config(config, num_devices=1)
   with pytest.raises(ValueError, match=r"posemb='learned_2d' splits the hidden size into 2 "
                                        r'equal parts, but hidden_size=15'):
     models.get_model('testing', num_classes=3, posemb='learned_2d', hidden_size=15,

@@ -13,6 +13,7 @@ from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import train
+from vit_jax import validation
 
 # 4x4 images in 4x4 patches: one patch and the class token, so that big batches stay cheap.
 TINY = dict(num_classes=3, patch_size=(4, 4), hidden_size=8, mlp_dim=16, num_heads=2,
@@ -169,8 +170,9 @@ def test_bad_stochastic_depth_is_one_line_naming_the_field(fields, message):
 def test_a_bad_rate_in_the_config_is_a_config_error_naming_its_field():
   config = tiny_config_file.get_config()
   config.model.transformer.stochastic_depth = -0.1
-  with pytest.raises(train.ConfigError, match=r'^config.model.transformer.stochastic_depth=-0.1 '):
-    train.validate_config(config, jax.device_count())
+  with pytest.raises(validation.ConfigError,
+                     match=r'^config.model.transformer.stochastic_depth=-0.1 '):
+    validation.validate_config(config, jax.device_count())
 
 
 def test_a_run_saved_before_stochastic_depth_resumes_without_it(tmp_path):

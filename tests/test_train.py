@@ -22,9 +22,6 @@ from vit_jax import train
 from vit_jax import train_step
 from vit_jax import validation
 
-# One worker builds the session's `trained_run` (and compiles its programs) for all these tests.
-pytestmark = pytest.mark.xdist_group('train')
-
 def test_short_run_learns(trained_run):
   workdir, metrics = trained_run
   losses = read_scalars(workdir)['train_loss']
@@ -188,7 +185,7 @@ def test_pretrained_keep_head_starts_from_the_trained_head(trained_run, given):
   workdir, _ = trained_run
   path = os.path.join(workdir, 'model.npz') if given == 'model.npz' else workdir
   config = tiny_config(pretrained_path=path, pretrained_keep_head=True)
-  train.validate_config(config, 8)
+  validation.validate_config(config, 8)
   config.pp.crop = 56
   params = train.load_pretrained_params(config, train.build_model(config, num_classes=10))
   trained = checkpoint.load(os.path.join(workdir, 'model.npz'))
@@ -228,17 +225,18 @@ def test_fine_tune_from_npz_at_another_resolution_reads_deprecated_overrides_int
 def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
   converted = npz_without_spec(trained_run, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
-  with pytest.raises(train.ConfigError, match=r'converted.overrides.json is not a '
+  with pytest.raises(validation.ConfigError, match=r'converted.overrides.json is not a '
                                               r'model-overrides record'):
     train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
 
 
 def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
   config = tiny_config(model_name='ViT-Ti_16')
-  with pytest.raises(train.ConfigError, match='crop=28 is not divisible by the patch size 16x16'):
-    train.validate_config(config, num_devices=1)
+  with pytest.raises(validation.ConfigError,
+                     match='crop=28 is not divisible by the patch size 16x16'):
+    validation.validate_config(config, num_devices=1)
   assert config.model.hidden_size == 192  # ViT-Ti (Table 1 of the DeiT paper).
-  with pytest.raises(train.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
+  with pytest.raises(validation.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
                                               r"\(config.model is 'tiny'\). Known models: "):
     train.train_and_evaluate(tiny_config(model_name='ViT-Z_1'), str(tmp_path))
 
@@ -270,7 +268,7 @@ def test_device_counts_that_fit_a_config(overrides, fitting):
      r"config.fewshot.datasets, 'no_such_dataset': config.dataset='no_such_dataset' is neither"),
 ])
 def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
-  with pytest.raises(train.ConfigError, match=message) as error:
+  with pytest.raises(validation.ConfigError, match=message) as error:
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert '\n' not in str(error.value)
 
@@ -294,15 +292,15 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
      r'config.batch_eval=100 is not divisible by 8 data-parallel devices'),
 ])
 def test_bad_value_fails_validation_before_anything_compiles(overrides, message):
-  with pytest.raises(train.ConfigError, match=message) as error:
-    train.validate_config(tiny_config(**overrides), 8)
+  with pytest.raises(validation.ConfigError, match=message) as error:
+    validation.validate_config(tiny_config(**overrides), 8)
   assert '\n' not in str(error.value)
   assert not validation.fits_devices(tiny_config(**overrides), 8)
 
 
 def test_pretrained_folder_without_model_npz_is_a_config_error(tmp_path):
-  with pytest.raises(train.ConfigError, match=r'is a folder without a model.npz'):
-    train.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
+  with pytest.raises(validation.ConfigError, match=r'is a folder without a model.npz'):
+    validation.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_only_finite_checkpoints(tmp_path):
@@ -323,7 +321,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_only_finite_checkpoints(tmp_pat
 def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
   config = tiny_config()
   config.pp.crop = 30
-  with pytest.raises(train.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
+  with pytest.raises(validation.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
                                               r'patch size 7x7 of tiny: use e.g. 28'):
     train.train_and_evaluate(config, str(tmp_path))
 
@@ -332,7 +330,7 @@ def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, 
   workdir, _ = trained_run
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
   config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
-  with pytest.raises(train.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
+  with pytest.raises(validation.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
                                               r'does not fit tiny: .*\(48,\).*\(32,\)'):
     train.train_and_evaluate(config, str(tmp_path))
 
@@ -340,13 +338,13 @@ def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, 
 def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
   from configs import vit  # pylint: disable=g-import-not-at-top
   assert vit.get_config('b16,cifar10').model.hidden_size == 768
-  with pytest.raises(train.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
+  with pytest.raises(validation.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
                                               r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):
     train.train_and_evaluate(vit.get_config('ViT-Z_1,fashion_mnist_embedded'), str(tmp_path))
 
 
 def test_unknown_dataset_is_a_config_error(tmp_path):
-  with pytest.raises(train.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
+  with pytest.raises(validation.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
     train.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))
 
 
@@ -385,7 +383,7 @@ def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_js
   saved_config = open(os.path.join(workdir, 'config.json')).read()
   config = tiny_config(batch=32)
   config.model.transformer.num_layers = 2
-  with pytest.raises(train.ConfigError) as error:
+  with pytest.raises(validation.ConfigError) as error:
     train.train_and_evaluate(config, workdir)
   message = str(error.value)
   assert '\n' not in message
