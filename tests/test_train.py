@@ -22,6 +22,7 @@ from vit_jax import train
 from vit_jax import train_step
 from vit_jax import validation
 
+
 def test_short_run_learns(trained_run):
   workdir, metrics = trained_run
   losses = read_scalars(workdir)['train_loss']
@@ -178,8 +179,6 @@ def test_rematerialised_scanned_layers_train_like_stored_ones():
   np.testing.assert_allclose(loss_curve(configs[0]), loss_curve(configs[1]), rtol=1e-5)
 
 
-
-
 @pytest.mark.parametrize('given', ['model.npz', 'the workdir'])
 def test_pretrained_keep_head_starts_from_the_trained_head(trained_run, given):
   workdir, _ = trained_run
@@ -226,7 +225,7 @@ def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
   converted = npz_without_spec(trained_run, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
   with pytest.raises(validation.ConfigError, match=r'converted.overrides.json is not a '
-                                              r'model-overrides record'):
+                                                   r'model-overrides record'):
     train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
 
 
@@ -237,7 +236,7 @@ def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
     validation.validate_config(config, num_devices=1)
   assert config.model.hidden_size == 192  # ViT-Ti (Table 1 of the DeiT paper).
   with pytest.raises(validation.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
-                                              r"\(config.model is 'tiny'\). Known models: "):
+                                                   r"\(config.model is 'tiny'\). Known models: "):
     train.train_and_evaluate(tiny_config(model_name='ViT-Z_1'), str(tmp_path))
 
 
@@ -322,7 +321,7 @@ def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
   config = tiny_config()
   config.pp.crop = 30
   with pytest.raises(validation.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
-                                              r'patch size 7x7 of tiny: use e.g. 28'):
+                                                   r'patch size 7x7 of tiny: use e.g. 28'):
     train.train_and_evaluate(config, str(tmp_path))
 
 
@@ -331,7 +330,7 @@ def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, 
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
   config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
   with pytest.raises(validation.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
-                                              r'does not fit tiny: .*\(48,\).*\(32,\)'):
+                                                   r'does not fit tiny: .*\(48,\).*\(32,\)'):
     train.train_and_evaluate(config, str(tmp_path))
 
 
@@ -339,7 +338,7 @@ def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
   from configs import vit  # pylint: disable=g-import-not-at-top
   assert vit.get_config('b16,cifar10').model.hidden_size == 768
   with pytest.raises(validation.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
-                                              r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):
+                                                   r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):
     train.train_and_evaluate(vit.get_config('ViT-Z_1,fashion_mnist_embedded'), str(tmp_path))
 
 
