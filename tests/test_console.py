@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import orbax.checkpoint as ocp
+import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from helpers import xla_flags
@@ -45,6 +46,21 @@ def test_quick_start_prints_the_projects_lines_only(tmp_path):
   events.Reload()
   assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
       events.Tags()['tensors'])
+
+
+def test_native_info_lines_are_dropped_and_every_other_line_is_kept(capfd):
+  # As TensorFlow's C++ runtime writes them while it loads, before its logging is set up.
+  native = (b'WARNING: All log messages before absl::InitializeLog() is called are written to '
+            b'STDERR\nI0000 00:00:1796162767.948242    4631 port.cc:153] oneDNN custom operations '
+            b'are on.\nW0000 00:00:1796162767.951003    4631 cuda.cc:41] No CUDA driver.\n')
+  with pytest.raises(ImportError):
+    with console.native_info_lines_dropped():
+      os.write(2, native)
+      os.write(2, b'Traceback (most recent call last): ...\n')
+      raise ImportError('the held lines are written all the same')
+  assert capfd.readouterr().err == (
+      'W0000 00:00:1796162767.951003    4631 cuda.cc:41] No CUDA driver.\n'
+      'Traceback (most recent call last): ...\n')
 
 
 def record(source_module, level: int, message: str = 'a message', **extra) -> logging.LogRecord:

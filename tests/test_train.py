@@ -167,8 +167,10 @@ def loss_curve(config, devices=None, steps=3):
 
 def test_one_and_eight_devices_give_the_same_loss_curve():
   assert len(jax.devices()) == 8
+  # The same batches and math; the sums over 1 and 8 devices add in another order (on an AVX-512
+  # CPU, 2026-12-01, step 5's losses differed by 1.1e-5 of their value).
   np.testing.assert_allclose(loss_curve(tiny_config(**SGD), jax.devices()[:1], steps=5),
-                             loss_curve(tiny_config(**SGD), steps=5), rtol=1e-5)
+                             loss_curve(tiny_config(**SGD), steps=5), rtol=1e-4)
 
 
 def test_rematerialised_scanned_layers_train_like_stored_ones():

@@ -7,10 +7,13 @@ WARNING and above. On a terminal the progress lines become one live tqdm bar. `s
 
 Importing this module changes nothing; the command line calls `setup` once.
 """
+import contextlib
 import logging
 import os
+import re
 import sys
-from typing import TextIO
+import tempfile
+from typing import Iterator, TextIO
 
 import tqdm
 
@@ -87,6 +90,35 @@ class ProgressBarHandler(logging.StreamHandler):
   def close(self) -> None:
     self.close_bar()
     super().close()
+
+
+# The INFO lines a C++ runtime writes to stderr before its logging is set up (absl's preamble, then
+# lines like "I0000 00:00:1796162767.948242 4631 port.cc:153] oneDNN custom operations are on",
+# which TensorFlow prints on CPUs with AVX512_VNNI whatever TF_CPP_MIN_LOG_LEVEL says).
+NATIVE_INFO_LINE = re.compile(
+    r'WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$'
+    r'|I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] ')
+
+
+@contextlib.contextmanager
+def native_info_lines_dropped() -> Iterator[None]:
+  """Holds back what is written to file descriptor 2 inside the block (by C++ code, and by Python),
+  then writes it to stderr without its NATIVE_INFO_LINE lines. For imports that load C++ runtimes,
+  such as TensorFlow's; the held lines appear when the block ends, even if it raises."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      held.seek(0)
+      lines = held.read().decode(errors='replace').splitlines(keepends=True)
+      sys.stderr.write(''.join(line for line in lines if not NATIVE_INFO_LINE.match(line)))
+      sys.stderr.flush()
 
 
 def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:

@@ -208,7 +208,8 @@ def evaluation_summary(metrics: dict[str, float]) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  console.setup(log_all=flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
+  log_all = flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1
+  console.setup(log_all)
   config = flags.FLAGS.config
   if not initialize_distributed():  # One process: on a CPU host, one device per core.
     hardware.use_one_device_per_core(functools.partial(validation.fits_devices, config))
@@ -224,7 +225,8 @@ def main(argv):
   except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
-  from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
+  with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
+    from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:
