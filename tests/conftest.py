@@ -2,6 +2,7 @@
 before anything imports jax; shared fixtures. The helpers that test files import are in helpers.py.
 """
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -30,6 +31,12 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+
+def pytest_sessionfinish():
+  """As vit_jax.main does: the exit's garbage collection skips the imported libraries' objects
+  (seconds per process with TensorFlow and JAX loaded)."""
+  gc.freeze()
 
 
 @pytest.fixture(scope='session')

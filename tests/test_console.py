@@ -14,7 +14,6 @@ from helpers import xla_flags
 from vit_jax import console
 from vit_jax import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The quick start on fewer images (batches of 16, evaluations of 100 test images, shots drawn
 # from 400 training images): the same lines, in less time.
 FEWER_IMAGES = ['--config.batch=16', '--config.batch_eval=100', '--config.test_split=test[:100]',
@@ -23,12 +22,14 @@ MAX_LINES = 12  # Workdir, mesh, model, 1 progress step, 1 evaluation, 1 checkpo
 
 
 def test_quick_start_prints_the_projects_lines_only(tmp_path):
+  """The README's quick start, `python -m vit_jax.main` in a fresh folder, on 2 cores."""
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
   env['XLA_FLAGS'] = xla_flags(None)  # JAX's own device count, as for a user.
+  cores = set(sorted(os.sched_getaffinity(0))[:2])
   result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.main', '--config.total_steps=20', f'--workdir={tmp_path}',
-       *FEWER_IMAGES],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+      [sys.executable, '-m', 'vit_jax.main', '--config.total_steps=20', *FEWER_IMAGES],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+      preexec_fn=lambda: os.sched_setaffinity(0, cores))
   assert result.returncode == 0, result.stderr
   lines = (result.stdout + result.stderr).splitlines()
   log = '\n'.join(lines)
@@ -37,12 +38,16 @@ def test_quick_start_prints_the_projects_lines_only(tmp_path):
   assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), log  # All logged, none printed.
   assert not re.search(r'^I\d{4} |orbax|CheckpointManager|Hyperparameters|oneDNN', log,
                        re.MULTILINE | re.IGNORECASE), log
-  for expected in (r'Workdir: ', r'Mesh: ', r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs',
+  workdir = tmp_path / 'workdirs' / 'default'  # Named after the config, so that it resumes.
+  devices = len(cores)  # One CPU device per core.
+  for expected in (f'Workdir: {re.escape(str(workdir))}',
+                   fr"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices\.",
+                   r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs',
                    r'step 20/20: loss [\d.]+, \d+ img/s', r'step 20: test accuracy [\d.]+',
-                   r'step 20: checkpoint -> ', r'Done: '):
+                   f'step 20: checkpoint -> {re.escape(str(workdir))}/checkpoints/20', r'Done: '):
     assert re.search(expected, log), (expected, log)
   # The metrics and hyperparameters went to TensorBoard instead.
-  events = event_accumulator.EventAccumulator(str(tmp_path))
+  events = event_accumulator.EventAccumulator(str(workdir))
   events.Reload()
   assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
       events.Tags()['tensors'])

@@ -5,10 +5,12 @@ vit_jax/config.py, the same as `--config=configs/default.py`). Every config fiel
 overridden: `--config.base_lr=0.01`; `--help` lists the fields of the config with their values
 and meanings.
 """
+import atexit
 import contextlib
 import difflib
 import fcntl
 import functools
+import gc
 import logging
 import os
 import re
@@ -249,6 +251,10 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Registered first, so run last: at exit the interpreter's garbage collection then skips the
+  # objects of the imported libraries (TensorFlow's, JAX's), which took 1.2-1.7 s of each run's
+  # exit on a 2-core CPU (2026-12-01). Files are closed and saves finished before that.
+  atexit.register(gc.freeze)
   hardware.keep_freed_host_memory()
   sys.unraisablehook = drop_closed_event_loop_errors
   app.run(main, flags_parser=parse_flags)
