@@ -382,6 +382,16 @@ def test_unknown_dataset_name_is_explained():
     ip.get_dataset_info(make_config(dataset='no_such_dataset'))
 
 
+def test_a_name_tfds_cannot_parse_is_explained_in_one_line():
+  # As from --config.fewshot.datasets=fashion_mnist_embedded, (a string, not a tuple).
+  with pytest.raises(ValueError) as raised:
+    ip.get_dataset_info(make_config(dataset='fashion_mnist_embedded,'))
+  message = str(raised.value)
+  assert '\n' not in message
+  assert message.startswith("config.dataset='fashion_mnist_embedded,' is neither "), message
+  assert message.endswith('failed). Fix the name or the path.'), message
+
+
 @pytest.mark.parametrize('path', ['./my_images', '/no/such/folder', 'my_images/', 'data/images'])
 def test_missing_folder_is_a_path_that_does_not_exist(path):
   with pytest.raises(FileNotFoundError, match=f"config.dataset='{path}' is a path, and no folder "

@@ -293,8 +293,8 @@ class TfdsSource:
                shuffle_buffer: int):
     try:
       self._builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-      raise no_such_dataset(name, data_dir) from None
+    except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:  # Unknown; unparsable.
+      raise no_such_dataset(name, data_dir, str(e).split('\n')[0].rstrip('.')) from None
     if not self._builder.is_prepared():
       self._prepare(manual_dir)
     features = self._builder.info.features
@@ -357,9 +357,10 @@ class TfdsSource:
                       f'{short_message(error)}')
 
 
-def no_such_dataset(dataset: str, data_dir: Optional[str]) -> Exception:
+def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '') -> Exception:
   """The error for a `config.dataset` that names nothing: a path (it holds a '/' or starts with
-  '.' or '~') that does not exist, or an unknown tfds name."""
+  '.' or '~') that does not exist, or a tfds name that tfds did not take (`tfds_error`: the first
+  line of its message)."""
   if '/' in dataset or dataset.startswith(('.', '~')):
     return FileNotFoundError(
         f'config.dataset={dataset!r} is a path, and no folder exists there (relative paths start '
@@ -367,7 +368,8 @@ def no_such_dataset(dataset: str, data_dir: Optional[str]) -> Exception:
         'DIR/test/<class>/.')
   return ValueError(
       f'config.dataset={dataset!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
-      f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}). Fix the name or the path.')
+      f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}{"; tfds: " if tfds_error else ""}'
+      f'{tfds_error}). Fix the name or the path.')
 
 
 @functools.cache
