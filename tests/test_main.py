@@ -291,12 +291,14 @@ def one_process(tmp_path_factory):
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
     tmp_path, one_process):
   """2 processes x 4 CPU devices (JAX's distributed runtime, gloo) against 1 x 8 devices; each
-  process feeds its share of the batches and of the few-shot images."""
+  process feeds its share of the batches and of the few-shot images, and each gets the same
+  few-shot accuracies."""
   address = f'127.0.0.1:{free_port()}'
   env = {'XLA_FLAGS': xla_flags(4)}
   overrides = {**SHORT_RUN, **{f'fewshot.{k}': v for k, v in FEWSHOT.items()}}
   runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
-                      '--num_processes=2', f'--process_id={i}', env=env) for i in range(2)]
+                      '--num_processes=2', f'--process_id={i}', *(['--log_all'] if i else []),
+                      env=env) for i in range(2)]  # Process 1 logs too, in absl's format.
   # If one process fails, the other would wait for it: then stop both and show both logs.
   deadline = time.monotonic() + TIMEOUT
   while (any(run.process.poll() is None for run in runs)
@@ -330,3 +332,6 @@ def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
     (step,), (logged,) = scalars[name]
     assert step == 10 and logged == pytest.approx(accuracy, abs=0.02)
   assert reference_fewshot['fewshot/fashion_mnist_embedded_5shot'] > 0.3  # Chance is 0.1.
+  # Every process got the same accuracies (the sums are reduced across them).
+  printed = [re.findall(r'few-shot linear accuracy (.*) \(', run.log) for run in runs]
+  assert len(printed[0]) == 1 and printed[1] == printed[0], printed

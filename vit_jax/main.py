@@ -43,8 +43,9 @@ flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz g
                     'holding a checkpoint resumes from it. Default: workdirs/NAME, named after '
                     '--config (see default_workdir), so that the same command resumes.')
 flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
-                  '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
-                  'libraries\' warnings, and a live progress bar on a terminal.')
+                  '--verbosity=1 does), on every process; by default the console shows vit_jax\'s '
+                  'lines and other libraries\' warnings (processes other than 0: warnings only), '
+                  'and a live progress bar on a terminal.')
 
 
 def default_workdir(config_argument: str) -> str:
@@ -218,7 +219,7 @@ def main(argv):
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')
-    if jax.process_index() > 0:  # Process 0 speaks for all.
+    if jax.process_index() > 0 and not log_all:  # Process 0 speaks for all.
       logging.getLogger().setLevel(logging.WARNING)
   workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename)
   logging.info('Workdir: %s', os.path.abspath(workdir))
