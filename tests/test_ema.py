@@ -14,6 +14,7 @@ import tiny_config as tiny_config_file
 from vit_jax import checkpoint
 from vit_jax import sharding
 from vit_jax import train
+from vit_jax import train_checkpoints
 from vit_jax import train_step
 from vit_jax import validation
 
@@ -89,7 +90,7 @@ def stepped(tmp_path_factory):
   for seed in range(3):
     state, _ = step(state, random_batch(seed=seed))
   workdir = str(tmp_path_factory.mktemp('ema_checkpoints'))
-  checkpoints = train.Checkpoints(workdir, keep=2)
+  checkpoints = train_checkpoints.Checkpoints(workdir, keep=2)
   checkpoints.save(state, {'position': 3})
   checkpoints.close()
   return config, jax.device_get(state), mesh, workdir
@@ -103,7 +104,7 @@ def fresh_state(config, mesh):
 def test_resume_restores_the_ema_exactly(stepped):
   config, saved, mesh, workdir = stepped
   assert not np.allclose(saved.ema['head']['bias'], saved.params['head']['bias'])
-  checkpoints = train.Checkpoints(workdir, keep=2)
+  checkpoints = train_checkpoints.Checkpoints(workdir, keep=2)
   restored, data = checkpoints.restore(*fresh_state(config, mesh))
   checkpoints.close()
   assert data == {'position': 3} and int(restored.step) == 3
@@ -114,7 +115,7 @@ def test_resume_restores_the_ema_exactly(stepped):
 def test_a_checkpoint_without_ema_resumes_with_one_started_from_its_params(stepped, tmp_path,
                                                                           caplog):
   config, saved, mesh, _ = stepped
-  checkpoints = train.Checkpoints(str(tmp_path), keep=2)
+  checkpoints = train_checkpoints.Checkpoints(str(tmp_path), keep=2)
   checkpoints.save(jax.device_put(saved.replace(ema=None)), {'position': 3})  # EMA off.
   with caplog.at_level(logging.WARNING):
     restored, _ = checkpoints.restore(*fresh_state(config, mesh))

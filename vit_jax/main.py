@@ -230,13 +230,14 @@ def main(argv):
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
   with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
     from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
+    from vit_jax import train_checkpoints  # pylint: disable=g-import-not-at-top
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
   except train.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')
-  except train.CheckpointSaveError as e:
+  except train_checkpoints.CheckpointSaveError as e:
     sys.exit(f'Checkpoint error: {e}')
   except KeyboardInterrupt:
     sys.exit(f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '

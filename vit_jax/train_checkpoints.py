@@ -1,0 +1,214 @@
+"""The training state's checkpoints in `WORKDIR/checkpoints` (Orbax), for vit_jax.train.
+
+Each step's checkpoint holds the train state (params, optimiser state, step, RNG, EMA) and the
+data iterator's state, so that a resumed run continues exactly. Saves run in the background and
+are confirmed before older checkpoints are deleted; a failed save is one line
+(CheckpointSaveError); checkpoints that do not restore are set aside, not deleted.
+"""
+import gc
+import logging
+import os
+import shutil
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+import orbax.checkpoint as ocp
+
+from vit_jax.train_step import TrainState
+from vit_jax.validation import ConfigError
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint save failed; the message is one line: what, where, free space, last good one."""
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+  """Whether `record` comes from Orbax: logged by its code, naming it, or with an exception
+  raised in it (asyncio's 'Task exception was never retrieved' names only the task)."""
+  frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info else []
+  return any('orbax' in text for text in
+             [record.pathname, record.getMessage()] + [frame.filename for frame in frames])
+
+
+class _SaveErrorCatcher(logging.Filter):
+  """Keeps Orbax's error records off the console (a failed background save logs hundreds of
+  traceback lines from several threads) and holds the first as the reason of the failure."""
+
+  def __init__(self):
+    super().__init__()
+    self.reason = None
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not _from_orbax(record):
+      return True
+    if self.reason is None:
+      error = record.exc_info[1] if record.exc_info else None
+      if isinstance(error, OSError) and error.strerror:
+        self.reason = error.strerror
+      else:  # The innermost cause, e.g. TensorStore's '...: File too large [os_error_code=27]'.
+        self.reason = (str(error) if error else record.getMessage()).strip().splitlines()[0]
+        self.reason = self.reason.rsplit(': ', 1)[-1]
+    return False
+
+
+# The loggers Orbax's errors reach: its own (absl's) and asyncio's (tasks that failed).
+_ORBAX_LOGGERS = ('absl', 'asyncio')
+
+
+class Checkpoints:
+  """Orbax checkpoints in `WORKDIR/checkpoints`: (train state, data-iterator state) per step.
+
+  Saves run in the background; each is confirmed complete (at the next step, `confirm`) before
+  older checkpoints are deleted, so the newest complete checkpoint is never deleted and a failed
+  save is reported at once. `keep` (config.keep_checkpoints) of 0 or None keeps every one.
+  """
+
+  def __init__(self, workdir: str, keep: int | None):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.keep = keep or None
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
+    self._pending = None  # The step of the save not yet confirmed.
+    self._failed = False  # Whether a save failed: its abandoned tasks may log until exit.
+    self._errors = _SaveErrorCatcher()
+    for logger in _ORBAX_LOGGERS:
+      logging.getLogger(logger).addFilter(self._errors)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, state: TrainState, data_state: dict) -> None:
+    """Starts saving `state` in the background, after confirming the previous save."""
+    self.confirm(wait=True)
+    step = int(jax.device_get(state.step))
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+    except OSError as e:  # Failed before going to the background (e.g. no space for a folder).
+      self._errors.reason = e.strerror or str(e)
+      self._fail(step)
+    self._pending = step
+    logging.info('step %d: checkpoint -> %s', step, os.path.join(self.directory, str(step)))
+
+  def confirm(self, wait: bool = False) -> None:
+    """Checks a finished background save (`wait`: waits for it): deletes checkpoints beyond
+    `keep` once it is complete; raises CheckpointSaveError if it failed.
+
+    With several processes only `wait` checks: all must check at the same step (deleting
+    synchronises them), and each may see the save finish at another one.
+    """
+    if self._pending is None or (not wait and (jax.process_count() > 1
+                                               or self.manager.is_saving_in_progress())):
+      return
+    self.manager.wait_until_finished()
+    step, self._pending = self._pending, None
+    self.manager.reload()
+    if step not in self.manager.all_steps():
+      self._fail(step)
+    self.delete_old()
+
+  def delete_old(self) -> None:
+    """Deletes all but the newest `keep` checkpoints."""
+    steps = sorted(self.manager.all_steps())
+    for step in steps[:-self.keep] if self.keep else ():
+      self.manager.delete(step)
+
+  def _fail(self, step: int):
+    self._failed = True
+    gc.collect()  # Orbax's abandoned tasks log their errors now, while they are filtered.
+    for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp.
+      if name.startswith(f'{step}.') and jax.process_index() == 0:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self.manager.reload()
+    last = self.manager.latest_step()
+    reason, self._errors.reason = self._errors.reason or 'no finished checkpoint appeared', None
+    raise CheckpointSaveError(
+        f'Saving the checkpoint of step {step} to {self.directory} failed ({reason}); '
+        f'{shutil.disk_usage(self.directory).free / 2**30:.2f} GiB free there; the last good '
+        f'checkpoint is {f"step {last}" if last is not None else "none"}.')
+
+  def restore(self, state: TrainState, shardings: TrainState) -> tuple[TrainState, dict] | None:
+    """(state, data-iterator state) of the newest checkpoint that restores, placed with
+    `shardings`; None without checkpoints.
+
+    Newer checkpoints that fail to restore (damaged files) are logged and moved to
+    `WORKDIR/damaged_checkpoints`; a ConfigError if none restores. The EMA of the params follows
+    `state`: one the checkpoint lacks starts from its params, one `state` lacks is dropped
+    (`adopt_ema`).
+    """
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, shardings)
+    skipped = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        # The EMA is laid out as the params are.
+        saved = abstract.replace(ema=abstract.params if self.has_ema(step) else None)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(saved), data=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except  (TensorStore, JSON, missing files)
+        logging.warning('Skipped checkpoint %d in %s: it does not restore (%s).', step,
+                        self.directory, _first_line(e))
+        skipped.append((step, e))
+        continue
+      for damaged, _ in skipped:
+        self.set_aside(damaged, 'damaged_checkpoints')
+      return adopt_ema(restored.state, keep=state.ema is not None), restored.data
+    if skipped:
+      raise ConfigError(
+          f'No checkpoint in {self.directory} restores (step {skipped[0][0]}: '
+          f'{_first_line(skipped[0][1])}): restore the config the run was started with, or use '
+          'another --workdir to start afresh.')
+    return None
+
+  def has_ema(self, step: int) -> bool:
+    """Whether the train state saved at `step` holds an EMA of the params."""
+    with ocp.StandardCheckpointer() as checkpointer:
+      saved = checkpointer.metadata(os.path.join(self.directory, str(step), 'state'))
+    return saved.item_metadata.tree.get('ema') is not None
+
+  def set_aside(self, step: int, folder: str) -> None:
+    """Moves the checkpoint of `step` to `WORKDIR/folder/STEP` (kept, but not resumed from)."""
+    if jax.process_index() == 0:
+      target = os.path.join(self.workdir, folder, str(step))
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if os.path.exists(target):
+        target += time.strftime('-%Y%m%d-%H%M%S')
+      os.replace(os.path.join(self.directory, str(step)), target)
+      logging.warning('Moved the checkpoint of step %d to %s.', step, target)
+    multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
+    self.manager.reload()
+
+  def close(self) -> None:
+    """Waits for the last save and confirms it; raises CheckpointSaveError if it failed."""
+    try:
+      self.confirm(wait=True)
+    finally:
+      self.manager.close()
+      if not self._failed:  # Else the failed save's tasks may yet log their errors, up to exit.
+        for logger in _ORBAX_LOGGERS:
+          logging.getLogger(logger).removeFilter(self._errors)
+
+
+def adopt_ema(state: TrainState, keep: bool) -> TrainState:
+  """A restored `state` with an EMA of the params where `keep` (config.ema_decay is set) and
+  without one otherwise: a checkpoint saved without one starts it from its params."""
+  if keep and state.ema is None:
+    logging.warning('The checkpoint of step %d holds no EMA of the params (saved with '
+                    'config.ema_decay=0): the EMA starts from its params.', int(state.step))
+    return state.replace(ema=jax.tree.map(jnp.copy, state.params))
+  if not keep and state.ema is not None:
+    logging.warning('config.ema_decay=0: the EMA of the params in the checkpoint of step %d '
+                    'is dropped.', int(state.step))
+    return state.replace(ema=None)
+  return state
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  """`TypeName: first line of the message`, at most `limit` characters."""
+  lines = str(error).strip().splitlines()
+  text = f'{type(error).__name__}: {lines[0] if lines else ""}'
+  return text if len(text) <= limit else text[:limit - 3] + '...'
