@@ -189,7 +189,7 @@ def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(
   command = shlex.split(log.split('To resume: ')[1].splitlines()[0])
   assert command[:3] == ['python', '-m', 'vit_jax.main']
   resumed = MainProcess(None, {}, command=[sys.executable, *command[1:]])
-  log = interrupt(resumed, tmp_path, 'SIGTERM', at_step=30)  # A preemption of the resumed run.
+  log = interrupt(resumed, tmp_path, 'SIGTERM', at_step=20)  # A preemption of the resumed run.
   assert 'Resuming from step' in log
   train.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))  # The rest, in this process.
   assert_same_params(tmp_path, uninterrupted)
