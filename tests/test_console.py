@@ -22,7 +22,7 @@ MAX_LINES = 12  # Workdir, mesh, model, 1 progress step, 1 evaluation, 1 checkpo
 
 
 def test_quick_start_prints_the_projects_lines_only(tmp_path):
-  """The README's quick start, `python -m vit_jax.main` in a fresh folder, on 2 cores."""
+  """The README's quick start, `python -m vit_jax.main` in a fresh folder, on at most 2 cores."""
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
   env['XLA_FLAGS'] = xla_flags(None)  # JAX's own device count, as for a user.
   cores = set(sorted(os.sched_getaffinity(0))[:2])

@@ -45,22 +45,18 @@ def main_command(workdir, overrides, *extra):
 class MainProcess:
   """`python -m vit_jax.main` in the background, its output collected, killed after TIMEOUT.
 
-  `command` replaces the tiny config's command line; `limits` are {resource: soft limit};
-  `cores` the CPU cores it may run on (all if None).
+  `command` replaces the tiny config's command line; `limits` are {resource: soft limit}.
   """
 
-  def __init__(self, workdir, overrides, *extra, env=None, command=None, cwd=None, limits=None,
-               cores=None):
+  def __init__(self, workdir, overrides, *extra, env=None, command=None, limits=None):
     def restrict():
-      for r, soft in (limits or {}).items():
+      for r, soft in limits.items():
         resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
-      if cores:
-        os.sched_setaffinity(0, cores)
 
     self.process = subprocess.Popen(
         command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, cwd=cwd,
-        preexec_fn=restrict if limits or cores else None)
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        preexec_fn=restrict if limits else None)
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
