@@ -11,6 +11,7 @@ import pytest
 import safetensors.numpy
 import scipy.special
 
+from helpers import images_of
 from vit_jax import checkpoint
 from vit_jax import convert
 from vit_jax import models_vit
@@ -115,10 +116,6 @@ def our_logits(params, images, approximate_gelu=False):
   return np.asarray(apply(images))
 
 
-def images_of(batch=2, seed=0):
-  return np.random.default_rng(seed).uniform(-1, 1, (batch, SIZE, SIZE, 3)).astype(np.float32)
-
-
 @pytest.mark.parametrize('state_dict,layout,eps', [
     (timm_state_dict, convert.TIMM, TIMM_EPS),
     (hugging_face_state_dict, convert.HUGGING_FACE, HUGGING_FACE_EPS)])
@@ -126,7 +123,7 @@ def test_converted_model_computes_the_pytorch_logits(state_dict, layout, eps):
   w = torch_weights()
   params, found_layout = convert.convert_state_dict(state_dict(w), num_heads=N)
   assert found_layout == layout
-  images = images_of()
+  images = images_of(SIZE)
   expected = np.stack([torch_vit_logits(x.transpose(2, 0, 1), w, N, eps) for x in images])
   np.testing.assert_allclose(our_logits(params, images), expected, rtol=1e-4, atol=1e-4)
 
@@ -169,7 +166,7 @@ def test_cli_writes_a_published_layout_npz_whose_spec_computes_the_pytorch_logit
   assert not os.path.exists(tmp_path / 'vit.overrides.json')
   model, params = checkpoint.load_model(tmp_path / 'vit.npz')  # The spec alone: no name.
   assert not model.approximate_gelu
-  image = images_of(batch=1)
+  image = images_of(SIZE, batch=1)
   expected = torch_vit_logits(image[0].transpose(2, 0, 1), w, N, TIMM_EPS)
   logits = jax.jit(lambda x: model.apply({'params': params}, x, train=False))(image)
   np.testing.assert_allclose(logits[0], expected, rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-import tiny_config as tiny_config_file
+from helpers import tiny_config
 from vit_jax import checkpoint
 from vit_jax import sharding
 from vit_jax import train
@@ -19,12 +19,6 @@ from vit_jax import train_step
 from vit_jax import validation
 
 pytestmark = pytest.mark.xdist_group('ema')  # Its module fixtures are built once.
-
-
-def tiny_config(**overrides):
-  config = tiny_config_file.get_config()
-  config.update(overrides)
-  return config
 
 
 def one_device_mesh():
