@@ -1,5 +1,9 @@
 """Tests of few-shot linear evaluation, vit_jax/fewshot.py."""
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import ml_collections
@@ -9,6 +13,7 @@ import pytest
 from vit_jax import checkpoint
 from vit_jax import fewshot
 from vit_jax import models
+from helpers import xla_flags
 
 pytestmark = pytest.mark.xdist_group('fewshot')  # Its module fixtures are built once.
 
@@ -102,3 +107,31 @@ def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdi
 def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
   assert fewshot.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 2
   assert "--shots='5,x': give positive integers" in capsys.readouterr().err
+
+
+# 100 batches of features already on 2 CPU devices, fitted 3 times: queued unpaced, their
+# all-reduces aborted XLA:CPU in every try (a thread at the all-reduce, the other waiting for an
+# in-flight slot; see hardware.Pacer).
+MANY_BATCHES_ON_TWO_DEVICES = textwrap.dedent("""
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from vit_jax import fewshot
+    rows = NamedSharding(Mesh(np.array(jax.devices()), ('data',)), P('data'))
+    rng = np.random.default_rng(0)
+    batches = [jax.device_put({
+        'features': rng.normal(size=(16, 32)).astype(np.float32),
+        'label': rng.integers(0, 4, 16).astype(np.int32),
+        'shots': (rng.random((16, 6)) < 0.5).astype(np.float32),
+        'holdout': (rng.random((16, 6)) < 0.5).astype(np.float32)}, rows) for _ in range(100)]
+    for _ in range(3):
+      w, b, l2, accuracy = fewshot.fit(batches, 4)
+    print(jax.device_count(), 'devices:', w.shape)
+""")
+
+
+def test_fit_of_many_batches_on_two_cpu_devices_does_not_abort():
+  env = {**os.environ, 'XLA_FLAGS': xla_flags(None), 'JAX_NUM_CPU_DEVICES': '2'}
+  result = subprocess.run([sys.executable, '-c', MANY_BATCHES_ON_TWO_DEVICES], env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split() == ['2', 'devices:', '(6,', '32,', '4)']

@@ -165,15 +165,18 @@ def fit(batches: Sequence[dict], num_classes: int, l2_grid: Sequence[float] = L2
   shift = mean_row(batches[0]['features'], batches[0]['shots'])  # Keeps float32 sums accurate.
   stats = zero_statistics(dim, num_classes, (num_regressions,))
   held_out = np.zeros(num_regressions, np.float32)
+  pacer = hardware.Pacer()
   for batch in batches:
-    stats = accumulate_each(stats, batch['features'], batch['label'], batch['shots'], shift)
-    held_out = add_weights(held_out, batch['holdout'])
+    stats, held_out = pacer.step((
+        accumulate_each(stats, batch['features'], batch['label'], batch['shots'], shift),
+        add_weights(held_out, batch['holdout'])))
 
   def correct_with(l2):
     w, b = unshifted(*solve_each(stats, np.full(num_regressions, l2, np.float32)), shift)
     correct = np.zeros(num_regressions, np.float32)
     for batch in batches:
-      correct = count_correct(correct, batch['features'], batch['label'], batch['holdout'], w, b)
+      correct = pacer.step(count_correct(correct, batch['features'], batch['label'],
+                                         batch['holdout'], w, b))
     return np.asarray(correct)
 
   accuracy = np.stack([correct_with(l2) for l2 in l2_grid], 1) / np.asarray(held_out)[:, None]
@@ -342,7 +345,8 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
   draws = [choose_shots(labels, num_classes, max(shots), holdout, seed) for seed in seeds]
 
   start = time.perf_counter()
-  batches = [{'features': features(model, params, batch.pop('image')), **batch}
+  pacer = hardware.Pacer()
+  batches = [{'features': pacer.step(features(model, params, batch.pop('image'))), **batch}
              for batch in train_batches(config, labels, draws, shots, mesh)]
   w, b, l2, holdout_accuracy = fit(batches, num_classes)
   seconds_train = time.perf_counter() - start
@@ -350,9 +354,10 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
   start = time.perf_counter()
   correct, num_test = np.zeros(len(l2), np.float32), np.zeros((), np.float32)
   for batch in input_pipeline.get_eval_iterator(config, mesh):
-    correct = count_correct(correct, features(model, params, batch['image']), batch['label'],
-                            batch['mask'], w, b)
-    num_test = add_weights(num_test, batch['mask'])
+    correct, num_test = pacer.step((
+        count_correct(correct, features(model, params, batch['image']), batch['label'],
+                      batch['mask'], w, b),
+        add_weights(num_test, batch['mask'])))
   num_test = int(num_test)
   per_k = lambda values: dict(zip(shots, np.reshape(values, (len(shots), -1)).tolist()))
   results = {k: {'accuracy': accuracy, 'mean': float(np.mean(accuracy)),

@@ -4,15 +4,17 @@ Peak FLOP/s, for model FLOPs utilisation (MFU): accelerators use their published
 the compute dtype; CPUs (and devices not in the table) use a peak measured in this process: the
 best rate of a large jitted matmul. And, for XLA:CPU, `use_one_device_per_core`, which lets a
 sharded step use every core for all of its work, and `keep_freed_host_memory`, which spares its
-steps from page-faulting their buffers back in.
+steps from page-faulting their buffers back in. `Pacer` keeps a loop of computations a few steps
+ahead of the devices, no more.
 """
+import collections
 import ctypes
 import functools
 import importlib.metadata
 import importlib.util
 import os
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -169,3 +171,34 @@ def local_peak_flops(dtype=jnp.float32) -> tuple[float, str]:
     return published * len(devices), 'published'
   count = 1 if devices[0].platform == 'cpu' else len(devices)
   return measure_matmul_flops(jnp.dtype(dtype), device=devices[0]) * count, 'measured'
+
+
+Outputs = TypeVar('Outputs')
+
+
+class Pacer:
+  """Keeps a loop that queues device computations at most `depth` steps ahead of the devices.
+
+  JAX queues each computation and returns at once. XLA:CPU admits a bounded number of
+  computations in flight per device, and starts each device's share of a multi-device computation
+  on a pool of max(cores, devices) threads, where a share that finds no free slot blocks its
+  thread. A loop that queues hundreds of batches unchecked (an evaluation, few-shot features) can
+  so block every thread while another share waits at an all-reduce for a share that can no longer
+  start: XLA aborts the process after 40 s. The training loop waits for each step's metrics one
+  step late; every other loop over batches passes each step's outputs through `step`.
+
+      pacer = Pacer()
+      for batch in batches:
+        totals = pacer.step(eval_step(totals, batch))
+  """
+
+  def __init__(self, depth: int = 2):
+    self._depth = depth
+    self._queued = collections.deque()
+
+  def step(self, outputs: Outputs) -> Outputs:
+    """Returns `outputs` (any pytree of jax.Arrays) once those of `depth` steps before are ready."""
+    self._queued.append(outputs)
+    if len(self._queued) > self._depth:
+      jax.block_until_ready(self._queued.popleft())
+    return outputs

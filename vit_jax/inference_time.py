@@ -77,8 +77,9 @@ def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runne
       jax.jit(lambda p, x: model.apply({'params': p}, x, train=False)), params, images)
 
   def run(n: int) -> None:
+    pacer = hardware.Pacer()
     for _ in range(n):
-      logits = forward(params, images)
+      logits = pacer.step(forward(params, images))
     logits.block_until_ready()
 
   return run, seconds
@@ -110,8 +111,10 @@ def train_runner(config, model, image_size: int, devices) -> tuple[Runner, float
 
   def run(n: int) -> None:
     nonlocal state
+    pacer = hardware.Pacer()
     for _ in range(n):
       state, metrics = step(state, batch)
+      pacer.step(metrics)  # Not the state: the next step takes (donates) its buffers.
     jax.block_until_ready(metrics)
 
   return run, seconds

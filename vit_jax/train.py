@@ -136,10 +136,10 @@ def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict
   {split}_loss), or under masked patch prediction {split}_mpp_loss and {split}_mpp_accuracy;
   `split` is 'test' or 'val'."""
   config = evaluated_on(config, split)
-  totals = None
+  totals, pacer = None, hardware.Pacer()
   for batch in input_pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = pacer.step(sums if totals is None else jax.tree.map(jnp.add, totals, sums))
   totals = jax.device_get(totals)
   return {f'{split}_{EVAL_NAMES.get(name, name)}': float(total / totals['count'])
           for name, total in totals.items() if name != 'count'}
