@@ -1,0 +1,107 @@
+"""Every command a user types, run once as the README shows it, in a process of its own.
+
+Nothing of the test harness reaches these processes: no XLA_FLAGS (so no forced device count and
+no quick compilation), no JAX settings, no compilation cache. Each command picks its devices as it
+does for a user, one XLA:CPU device per core here. The commands share one short run of the default
+config, trained by the first test at the batch of 16 under which its closing few-shot evaluation
+used to abort on 2 devices.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import PHOTOS
+
+pytestmark = pytest.mark.xdist_group('commands')  # One worker trains the run they share.
+
+# The harness's settings (tests/conftest.py), none of which a user has.
+HARNESS_VARIABLES = ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_COMPILATION_CACHE_DIR',
+                     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+                     'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', 'JAX_NUM_CPU_DEVICES',
+                     'TF_CPP_MIN_LOG_LEVEL')
+
+
+def user_env() -> dict[str, str]:
+  return {name: value for name, value in os.environ.items() if name not in HARNESS_VARIABLES}
+
+
+def vit_jax(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+  """`python -m vit_jax.ARGS...` as a user runs it; stdout and stderr as text."""
+  return subprocess.run([sys.executable, '-m', *(f'vit_jax.{args[0]}', *args[1:])],
+                        env=user_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def succeeded(result: subprocess.CompletedProcess) -> str:
+  """The output of a command that must have exited 0 (else the test fails with its end)."""
+  assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-4000:])
+  return result.stdout + result.stderr
+
+
+@pytest.fixture(scope='module')
+def short_run(tmp_path_factory):
+  """(workdir, console) of a 6-step run of the default config at batch 16, ending with its
+  test evaluation, its few-shot evaluation and model.npz."""
+  workdir = tmp_path_factory.mktemp('short_run')
+  console = succeeded(vit_jax('main', f'--workdir={workdir}', '--config.total_steps=6',
+                              '--config.batch=16', '--config.batch_eval=16'))
+  return workdir, console
+
+
+def test_main_picks_one_device_per_core_and_ends_with_few_shot_at_batch_16(short_run):
+  workdir, console = short_run
+  devices = min(os.cpu_count(), len(os.sched_getaffinity(0)))
+  assert f'over {devices} cpu devices' in console
+  assert 'few-shot linear accuracy' in console
+  assert (workdir / 'model.npz').exists()
+
+
+def test_fewshot_command_finishes_five_times_in_a_row(short_run):
+  workdir, _ = short_run
+  for attempt in range(5):
+    output = succeeded(vit_jax('fewshot', '--checkpoint', str(workdir), '--shots', '5',
+                               '--seeds', '2', '--test_split', 'test[:2000]'))
+    assert 'few-shot linear accuracy over 2 seeds, 2000 test images' in output, attempt
+
+
+def test_predict_command(short_run):
+  workdir, _ = short_run
+  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3]))
+  assert os.path.basename(PHOTOS[3]) in output
+
+
+def test_visualize_command(short_run, tmp_path):
+  workdir, _ = short_run
+  succeeded(vit_jax('visualize', '--checkpoint', str(workdir), '--output', str(tmp_path),
+                    '--num_images', '2'))
+  assert any(name.endswith('.png') for name in os.listdir(tmp_path))
+
+
+def test_export_and_convert_commands_round_trip_the_weights(short_run, tmp_path):
+  workdir, _ = short_run
+  exported = tmp_path / 'model_timm.safetensors'
+  succeeded(vit_jax('export', '--checkpoint', str(workdir), '--format', 'timm',
+                    '--out', str(exported)))
+  back = tmp_path / 'back.npz'
+  succeeded(vit_jax('convert', str(exported), str(back), '--num_heads', '4'))
+  with np.load(workdir / 'model.npz') as original, np.load(back) as converted:
+    kernels = [name for name in original.files if name.endswith('/kernel')]
+    assert len(kernels) > 10
+    for name in kernels:
+      np.testing.assert_array_equal(original[name], converted[name], err_msg=name)
+
+
+def test_checkpoint_list_and_models_commands():
+  assert 'augreg:B/16' in succeeded(vit_jax('checkpoint', '--list'))
+  assert 'ViT-B_16' in succeeded(vit_jax('models'))
+
+
+@pytest.mark.parametrize('step', [(), ('--train',)], ids=['inference', 'train'])
+def test_inference_time_command(tmp_path, step):
+  out = tmp_path / 'speed.json'
+  succeeded(vit_jax('inference_time', '--model', 'ViT-Ti_16', '--batch', '4', '--image_size',
+                    '32', '--rounds', '1', '--round_seconds', '0.2', *step, '--out', str(out)))
+  assert json.loads(out.read_text())['images_per_second'] > 0
