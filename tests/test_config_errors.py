@@ -231,18 +231,6 @@ def test_a_bad_training_image_stops_the_run_in_one_line_naming_it(tmp_path):
   assert last_line(output).endswith('or set config.skip_bad_images=True to skip (and count) them.')
 
 
-def test_a_changed_data_order_is_refused_in_words_for_the_command_line(tmp_path):
-  from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top (TensorFlow)
-  from vit_jax import train  # pylint: disable=g-import-not-at-top
-  config = tiny_config()
-  with pytest.raises(ValueError) as error:
-    input_pipeline.restore_train_iterator(config, train.make_mesh(config), {
-        'step': 20, **input_pipeline.get_train_iterator(config, train.make_mesh(config))
-        .get_state(), 'seed': 1})
-  assert str(error.value) == ('Cannot resume the training data order: seed: saved 1, now 0. Run '
-                              'with the saved values, or use another --workdir to start afresh.')
-
-
 # Exports and conversions.
 
 
