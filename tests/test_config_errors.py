@@ -158,16 +158,20 @@ def fixture_finished_copy(trained_run, tmp_path):
   return shutil.copytree(trained_run[0], tmp_path / 'workdir')
 
 
-def test_a_damaged_config_json_is_one_line_and_deleting_it_lets_the_run_resume(finished_copy):
+def test_a_damaged_config_json_is_one_line_and_deleting_it_lets_the_run_resume(finished_copy,
+                                                                               capsys):
   (finished_copy / 'config.json').write_text('{"model": ')  # Hand-edited, cut short.
   (finished_copy / 'model.npz.tmp').write_bytes(b'PK half')  # Left by a killed final write.
   command = ('vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={finished_copy}')
   status, output = run(*command)
   assert status == 1 and 'Traceback' not in output
-  assert last_line(output) == (
-      f'Config error: {finished_copy}/config.json, the saved config of the run in '
-      f'{finished_copy}, is not valid JSON (Expecting value: line 1 column 11 (char 10)): repair '
-      "it, or delete it (the run's checkpoints stay; a rerun then saves its own config).")
+  message = (f'{finished_copy}/config.json, the saved config of the run in {finished_copy}, is '
+             'not valid JSON (Expecting value: line 1 column 11 (char 10)): repair it, or delete '
+             "it (the run's checkpoints stay; a rerun then saves its own config).")
+  assert last_line(output) == f'Config error: {message}'
+  assert visualize.main(['--checkpoint', str(finished_copy), '--figures',
+                         'embedding_filters']) == 1
+  assert capsys.readouterr().err == f'error: {message}\n'
   os.remove(finished_copy / 'config.json')  # As the line says.
   status, output = run(*command)
   assert status == 0, output

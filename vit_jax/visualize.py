@@ -24,7 +24,6 @@ The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotl
 (made without pyplot, so no display is needed) for reuse in notebooks.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -61,11 +60,8 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
   from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
-  path = os.path.join(checkpoint_path, 'config.json')
-  if not os.path.isfile(path):
-    return False
-  with open(path) as f:
-    return json.load(f).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
+  config = checkpoint.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
+  return (config or {}).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
