@@ -179,6 +179,7 @@ def test_cli_checks_the_shapes_of_a_registry_model(tmp_path, capsys):
   args = [str(tmp_path / 'vit.safetensors'), str(tmp_path / 'vit.npz')]
   assert convert.main(args + ['--model', 'testing']) == 0
   assert '2 heads' in capsys.readouterr().out
+  args[1] = str(tmp_path / 'other.npz')  # vit.npz exists now, and is never overwritten.
   assert convert.main(args + ['--model', 'ViT-L_16']) == 1  # 16 heads, hidden size 1024.
   error = capsys.readouterr().err
   assert 'vit.safetensors (as ViT-L_16) does not fit the model: ' in error

@@ -105,7 +105,7 @@ def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdi
 
 
 def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
-  assert fewshot.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 2
+  assert fewshot.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 1
   assert "--shots='5,x': give positive integers" in capsys.readouterr().err
 
 

@@ -278,7 +278,8 @@ def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
   resumed = take(ip.restore_train_iterator(config, mesh, state), 2)
   for a, b in zip(expected, resumed):
     np.testing.assert_array_equal(a['image'], b['image'])
-  with pytest.raises(ValueError, match=r'seed: saved 0, now 1.*start_step'):
+  with pytest.raises(ValueError, match=r'seed: saved 0, now 1\. Run with the saved values, or '
+                     'use another --workdir'):
     ip.restore_train_iterator(make_config(batch=16, train_split='train[:40]', seed=1), mesh, state)
 
 

@@ -100,14 +100,14 @@ def test_imagenet2012_labels_are_tfds_names_in_label_order():
   assert (names[0], names[243], names[438]) == ('n01440764', 'n02108422', 'n02815834')
 
 
-def test_checkpoint_errors_are_one_line_and_exit_with_2(files, capsys):
+def test_checkpoint_errors_are_one_line_and_exit_with_1(files, capsys):
   _, tmp = files
   run = lambda *args: predict.main(['--checkpoint', *args, PHOTOS[0]])
-  assert run(f'{tmp}/nope.npz', '--model', 'testing') == 2
+  assert run(f'{tmp}/nope.npz', '--model', 'testing') == 1
   assert capsys.readouterr().err == f'error: No such checkpoint file: {tmp}/nope.npz\n'
-  assert run(f'{tmp}/model.npz', '--model', 'ViT-Ti_16') == 2
+  assert run(f'{tmp}/model.npz', '--model', 'ViT-Ti_16') == 1
   assert re.fullmatch(rf'error: {tmp}/model.npz does not fit the model: Transformer/encoder_norm/'
                       r'bias is \(16,\) in the file but \(192,\) in the model; .*\n',
                       capsys.readouterr().err)
-  assert run(f'{tmp}/model.npz', '--model', 'testing', '--labels', 'imagenet2012') == 2
+  assert run(f'{tmp}/model.npz', '--model', 'testing', '--labels', 'imagenet2012') == 1
   assert 'name 1000 classes but the checkpoint has 5' in capsys.readouterr().err

@@ -137,8 +137,8 @@ def test_training_curves_alone_need_no_model(tmp_path, capsys):
 
 
 def error_of(capsys, argv):
-  """Runs the command line; returns its error message, checking it exits with status 2."""
-  assert visualize.main(argv) == 2
+  """Runs the command line; returns its error message, checking it exits with status 1."""
+  assert visualize.main(argv) == 1
   printed = capsys.readouterr()
   assert printed.out == ''
   return printed.err

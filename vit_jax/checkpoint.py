@@ -59,6 +59,7 @@ POSEMB_METHODS = {'bilinear': 1, 'bicubic': 3}
 # gradient step leaves as it is (its gradient is zero), where text would fail to jit.
 SPEC_KEY = 'vit_jax_model_spec'
 WORKDIR_MODEL = 'model.npz'  # Where training writes the final params, in its workdir.
+RUN_CONFIG = 'config.json'  # Where training saves its config, in its workdir.
 _PRE_LINEN_TO_LINEN = {
     'MultiHeadDotProductAttention_1': 'MultiHeadDotProductAttention_0',
     'LayerNorm_2': 'LayerNorm_1',
@@ -567,14 +568,46 @@ def model_for_params(name_or_config, params: Params, overrides: dict):
       **overrides)
 
 
+def read_run_config(workdir) -> Optional[dict]:
+  """The config that training saved in `WORKDIR/config.json`, None without one; a
+  CheckpointError naming the file and the way out where it is not a JSON object."""
+  path = os.path.join(os.fspath(workdir), RUN_CONFIG)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    config = e
+  if not isinstance(config, dict):
+    why = f'not valid JSON ({config})' if isinstance(config, Exception) else 'not a JSON object'
+    raise CheckpointError(
+        f'{path}, the saved config of the run in {workdir}, is {why}: repair it, or delete it '
+        "(the run's checkpoints stay; a rerun then saves its own config).")
+  return config
+
+
+def unfinished_run(workdir) -> Optional[str]:
+  """For a training workdir without its model.npz, a line saying that the run has not finished
+  and how to finish it; None for anything else."""
+  path = os.fspath(workdir)
+  checkpoints = os.path.join(path, 'checkpoints')
+  if (not os.path.isdir(path) or os.path.exists(os.path.join(path, WORKDIR_MODEL)) or
+      not (os.path.isdir(checkpoints) or os.path.isfile(os.path.join(path, RUN_CONFIG)))):
+    return None
+  steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()] if os.path.isdir(
+      checkpoints) else []
+  since = f' (it resumes from its checkpoint of step {max(steps)})' if steps else ''
+  return (f'{path} holds a training run that has not finished: it has no {WORKDIR_MODEL} yet. '
+          f'Finish it by running its training command again with --workdir={path}{since}, then '
+          'try again.')
+
+
 def _recorded_model_config(path_or_workdir) -> Optional[ml_collections.ConfigDict]:
   """`config.model` of the run whose workdir is `path_or_workdir`, from its config.json (runs
   of versions that saved no model spec); None for a file, or a folder without config.json."""
-  config_path = os.path.join(os.fspath(path_or_workdir), 'config.json')
-  if not os.path.isfile(config_path):
-    return None
-  with open(config_path) as f:
-    return ml_collections.ConfigDict(json.load(f)['model'])
+  config = read_run_config(path_or_workdir) if os.path.isdir(path_or_workdir) else None
+  return None if config is None else ml_collections.ConfigDict(config['model'])
 
 
 def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
@@ -589,6 +622,8 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
   names it.
   Raises a CheckpointError, or FileNotFoundError, whose one line names the file and the fix.
   """
+  if error := unfinished_run(path_or_workdir):
+    raise FileNotFoundError(error)
   path = model_path(path_or_workdir)
   params, spec = load_with_spec(path)
   if spec is None:

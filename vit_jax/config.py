@@ -6,6 +6,9 @@ the experiment files of the repository's `configs/` folder (loaded by path,
 `python -m vit_jax.main` trains without `--config`: it lives in the package so that an installed
 vit_jax has it, whatever the current directory.
 """
+import dataclasses
+from typing import Any
+
 import ml_collections
 
 from vit_jax import registry
@@ -202,7 +205,78 @@ FIELD_HELP = {
     'val_every': 'Evaluate on val_split every this many steps, and at the end; None: '
                  'eval_every.',
     'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',
-    'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints.',
+    'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints; 0: all of them.',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The values a numeric config field takes: numbers of `kind` (int, or float, which takes
+  ints too) from `low` to `high` (None: unbounded), each bound itself included unless `open`
+  says so ('low', 'high' or 'both'); besides, the `special` values, as (value, what it means):
+  values outside the bounds that are taken too (None, -1), or ones inside with a meaning (0)."""
+  kind: type
+  low: float | None = None
+  high: float | None = None
+  open: str = ''
+  special: tuple[tuple[Any, str], ...] = ()
+
+  @property
+  def low_open(self) -> bool:
+    return self.open in ('low', 'both')
+
+  @property
+  def high_open(self) -> bool:
+    return self.open in ('high', 'both')
+
+
+POSITIVE_INT = Range(int, 0, open='low')
+FRACTION = Range(float, 0, 1, open='high')  # A rate in [0, 1).
+
+# The type and range of every numeric field, checked before anything compiles
+# (validation.values_error); `test_every_numeric_config_field_has_a_range` keeps it complete.
+# Model fields (config.model.*) come from the registry and are checked where present.
+FIELD_RANGES = {
+    'seed': Range(int, 0),
+    'shuffle_buffer': POSITIVE_INT,
+    'prefetch': Range(int, 0),
+    'pp.crop': POSITIVE_INT,
+    'pp.resize': Range(int, 0, open='low', special=((None, 'resize to pp.crop'),)),
+    'pp.area_min': Range(float, 0, 1, open='low'),
+    'batch': POSITIVE_INT,
+    'batch_eval': POSITIVE_INT,
+    'accum_steps': POSITIVE_INT,
+    'total_steps': POSITIVE_INT,
+    'warmup_steps': Range(int, 0),
+    'base_lr': Range(float, 0, open='low'),
+    'min_lr': Range(float, 0),
+    'momentum': FRACTION,
+    'weight_decay': Range(float, 0),
+    'grad_clip_norm': Range(float, 0, open='low'),
+    'label_smoothing': FRACTION,
+    'mixup.p': Range(float, 0),
+    'ema_decay': FRACTION,
+    'mpp.corruption_rate': Range(float, 0, 1, open='low'),
+    'mesh.data': Range(int, 0, open='low',
+                       special=((-1, 'all the devices that config.mesh.model leaves'),)),
+    'mesh.model': POSITIVE_INT,
+    'fewshot.every': Range(int, 0, open='low', special=((None, 'at the end only'),)),
+    'fewshot.num_test': Range(int, 0, open='low', special=((None, 'the whole split'),)),
+    'fewshot.seeds': POSITIVE_INT,
+    'progress_every': POSITIVE_INT,
+    'eval_every': POSITIVE_INT,
+    'val_every': Range(int, 0, open='low', special=((None, 'eval_every'),)),
+    'checkpoint_every': POSITIVE_INT,
+    'keep_checkpoints': Range(int, 0, special=((0, 'all of them'),)),
+    'model.hidden_size': POSITIVE_INT,
+    'model.representation_size': Range(int, 0, open='low', special=((None, 'none'),)),
+    'model.transformer.mlp_dim': POSITIVE_INT,
+    'model.transformer.num_heads': POSITIVE_INT,
+    'model.transformer.num_layers': POSITIVE_INT,
+    'model.transformer.dropout_rate': FRACTION,
+    'model.transformer.attention_dropout_rate': FRACTION,
+    'model.transformer.stochastic_depth': Range(float, 0, 1),
+    'model.resnet.width_factor': POSITIVE_INT,
 }
 
 

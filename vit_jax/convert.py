@@ -13,8 +13,10 @@ ResNet-v2 stem. `vit_jax.torch_layout` holds the names and layouts; besides,
   vit_jax.predict, visualize and fine-tuning read it);
 - timm's LayerNorm epsilon is ours, 1e-6; Hugging Face configs use 1e-12, which changes the
   outputs by a relative ~1e-6 for activations of unit variance.
-The number of heads is not in the weights: give --model (a registry name, whose shapes are then
-checked) or --num_heads.
+The number of heads is not in the weights: it is read from the file's timm metadata or the
+Hugging Face config.json beside it (vit_jax.export writes both), or give --model (a registry
+name, whose shapes are then checked; hybrids need it) or --num_heads. An existing output is
+never overwritten.
 """
 import argparse
 import json
@@ -167,17 +169,43 @@ def describe(params: dict) -> str:
           + (', pre_logits' if 'pre_logits' in params else ''))
 
 
-def approximate_gelu(path: str) -> bool:
-  """Whether the weights of the .safetensors at `path` run with the tanh-approximate GELU."""
+def recorded_settings(path: str) -> tuple[Optional[dict], Optional[dict]]:
+  """(timm model arguments, Hugging Face config) that come with the .safetensors at `path`, each
+  None where absent: the `timm_model_args` of its metadata (vit_jax.export writes them), and the
+  config.json beside it."""
   with safetensors.safe_open(path, 'numpy') as f:
     metadata = f.metadata() or {}
   if 'timm_model_args' in metadata:
-    return json.loads(metadata['timm_model_args']).get('act_layer') == torch_layout.TIMM_GELU[True]
+    return json.loads(metadata['timm_model_args']), None
   config = os.path.join(os.path.dirname(path), 'config.json')
   if not os.path.isfile(config):
-    return False
-  with open(config) as f:
-    return json.load(f).get('hidden_act') in torch_layout.HUGGING_FACE_TANH_GELUS
+    return None, None
+  try:
+    with open(config) as f:
+      return None, json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise checkpoint.CheckpointError(f'{config}, the Hugging Face config beside {path}, is not '
+                                     f'valid JSON ({e}): repair or remove it.') from None
+
+
+def approximate_gelu(path: str) -> bool:
+  """Whether the weights of the .safetensors at `path` run with the tanh-approximate GELU."""
+  timm_args, hf_config = recorded_settings(path)
+  if timm_args is not None:
+    return timm_args.get('act_layer') == torch_layout.TIMM_GELU[True]
+  return (hf_config or {}).get('hidden_act') in torch_layout.HUGGING_FACE_TANH_GELUS
+
+
+def recorded_num_heads(path: str) -> int:
+  """The number of heads that the .safetensors at `path` records (`recorded_settings`); a
+  CheckpointError saying what to give where it records none."""
+  timm_args, hf_config = recorded_settings(path)
+  heads = (timm_args or {}).get('num_heads') or (hf_config or {}).get('num_attention_heads')
+  if not heads:
+    raise checkpoint.CheckpointError(
+        f'{path} does not record its number of attention heads (neither in its timm metadata nor '
+        'in a Hugging Face config.json beside it): give --num_heads N, or --model NAME.')
+  return int(heads)
 
 
 def converted_model(params: dict, num_heads: int, model_name: Optional[str] = None,
@@ -211,16 +239,28 @@ def _check_against_registry(params: dict, model, model_name: str, source: str) -
   checkpoint.check_matches(params, shapes, source=f'{source} (as {model_name})')
 
 
+def check_output(path: str) -> None:
+  """A FileExistsError unless `path` is free for the converted .npz: an existing file or folder
+  is never overwritten."""
+  if os.path.isdir(path):
+    raise FileExistsError(f'{path} is a folder: give the path of the .npz file to write, e.g. '
+                          f'{os.path.join(path, "model.npz")}.')
+  if os.path.exists(path):
+    raise FileExistsError(f'{path} exists: give another output, or delete it first.')
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
   parser.add_argument('output', help='the .npz to write (published layout), with the model spec '
                       '(which records approximate_gelu)')
-  heads = parser.add_mutually_exclusive_group(required=True)
+  heads = parser.add_mutually_exclusive_group()
   heads.add_argument('--model', help='registry name (e.g. ViT-B_16): gives the number of heads '
-                     'and checks every shape')
-  heads.add_argument('--num_heads', type=int, help='number of attention heads')
+                     'and checks every shape; needed for hybrids')
+  heads.add_argument('--num_heads', type=int, help='number of attention heads; default: the one '
+                     "recorded in the file's timm metadata or the Hugging Face config.json "
+                     'beside it (vit_jax.export writes both)')
   parser.add_argument('--linen_names', action='store_true',
                       help='write linen module numbering instead of the published pre-linen one')
   return parser.parse_args(argv)
@@ -229,16 +269,20 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
+    check_output(args.output)
+    tensors = read_safetensors(args.input)
     num_heads = args.num_heads
     if args.model:
       num_heads = models.get_model_config(args.model).transformer.num_heads
-    params, layout = convert_state_dict(read_safetensors(args.input), num_heads, args.input)
+    elif num_heads is None:
+      num_heads = recorded_num_heads(args.input)
+    params, layout = convert_state_dict(tensors, num_heads, args.input)
     model = converted_model(params, num_heads, args.model, approximate_gelu(args.input))
     if args.model:
       _check_against_registry(params, model, args.model, args.input)
     checkpoint.save(params, args.output, linen_names=args.linen_names,
                     spec=models.model_spec(model, args.model))
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   print(f'Converted the {layout} state dict {args.input} ({describe(params)}, {num_heads} heads) '

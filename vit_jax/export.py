@@ -143,17 +143,24 @@ def _write_json(value: dict, path: str) -> None:
     json.dump(value, f, indent=2)
 
 
+def _write_safetensors(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
+  """A .safetensors file opened as every other output is, so with the usual file mode (0644
+  under umask 022; safetensors' own save_file makes 0600 files)."""
+  with open(path, 'wb') as f:
+    f.write(safetensors.numpy.save(tensors, metadata=metadata))
+
+
 def write_timm(model, params, image_size: int, out: str, labels: list[str]) -> None:
   del labels  # A timm state dict has no place for them.
   name, args = timm_model_args(model, image_size)
-  safetensors.numpy.save_file(state_dict(params, 'timm'), out, metadata={
+  _write_safetensors(state_dict(params, 'timm'), out, metadata={
       'format': 'pt', 'timm_model': name, 'timm_model_args': json.dumps(args)})
 
 
 def write_hugging_face(model, params, image_size: int, out: str, labels: list[str]) -> None:
   os.makedirs(out)
-  safetensors.numpy.save_file(state_dict(params, 'hf'), os.path.join(out, 'model.safetensors'),
-                              metadata={'format': 'pt'})
+  _write_safetensors(state_dict(params, 'hf'), os.path.join(out, 'model.safetensors'),
+                     metadata={'format': 'pt'})
   _write_json(hugging_face_config(model, image_size, labels), os.path.join(out, 'config.json'))
   _write_json(hugging_face_preprocessor(image_size),
               os.path.join(out, 'preprocessor_config.json'))

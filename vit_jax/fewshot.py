@@ -427,7 +427,7 @@ def parse_shots(text: str) -> list[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Prints the table (and writes --out); returns the exit status, 2 for bad input."""
+  """Prints the table (and writes --out); returns the exit status, 1 for bad input."""
   args = parse_args(argv)
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   try:
@@ -443,7 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        range(args.seeds), args.holdout, mesh)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return 1
   print(f'{args.dataset} few-shot linear accuracy over {args.seeds} seeds, '
         f'{results["num_test"]} test images ({args.test_split}):')
   print(table(results, shots))

@@ -25,6 +25,7 @@ the step split over as many of them as divide the batch; the peak's matmul runs 
 import argparse
 import datetime
 import json
+import sys
 import time
 from typing import Callable
 
@@ -207,18 +208,19 @@ def format_result(r: dict) -> str:
           f'of {r["peak_gflops"]:.1f} ({r["peak_source"]}): MFU {r["mfu"]:.3f}')
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """Exits with a one-line message for a model, batch or image size that cannot run."""
+def check_args(args: argparse.Namespace) -> None:
+  """Exits with status 1 and a one-line message for a model, batch or image size that cannot
+  run."""
   if args.model not in models.MODEL_CONFIGS:
-    parser.error(f'--model {args.model!r} is unknown; choose one of '
-                 f'{", ".join(models.MODEL_CONFIGS)}.')
+    sys.exit(f'error: --model {args.model!r} is unknown; choose one of '
+             f'{", ".join(models.MODEL_CONFIGS)}.')
   if args.batch < 1 or args.rounds < 1:
-    parser.error(f'--batch {args.batch} and --rounds {args.rounds} must be at least 1.')
+    sys.exit(f'error: --batch {args.batch} and --rounds {args.rounds} must be at least 1.')
   images = jax.ShapeDtypeStruct((args.batch, args.image_size, args.image_size, 3), jnp.float32)
   try:
     models.get_model(args.model, num_classes=NUM_CLASSES).check_images(images)
   except ValueError as e:
-    parser.error(f'--image_size {args.image_size} does not fit {args.model}: {e}')
+    sys.exit(f'error: --image_size {args.image_size} does not fit {args.model}: {e}')
 
 
 def main(argv=None):
@@ -246,7 +248,7 @@ def main(argv=None):
   parser.add_argument('--out', help='Also write the figures as one JSON object to this file.')
   args = parser.parse_args(argv)
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
-  check_args(parser, args)
+  check_args(args)
   result = benchmark(args.model, args.batch, args.image_size, args.dtype, args.train,
                      args.optimizer, args.rounds, args.round_seconds, args.peak_size,
                      args.attention)

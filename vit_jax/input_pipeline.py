@@ -387,15 +387,16 @@ def get_train_iterator(config, mesh: jax.sharding.Mesh, *, start_step: int = 0) 
 
 def restore_train_iterator(config, mesh: jax.sharding.Mesh,
                            state: dict[str, Any]) -> TrainIterator:
-  """Continues from `TrainIterator.get_state()`, after checking that the order is unchanged."""
+  """Continues from `TrainIterator.get_state()`, after checking that the order is unchanged (a
+  library caller continues in another order with `get_train_iterator(config, mesh,
+  start_step=state['step'])`)."""
   current = _order_settings(config)
   changed = [f'{field}: saved {state.get(field)!r}, now {value!r}'
              for field, value in current.items() if state.get(field) != value]
   if changed:
     raise ValueError(
-        f'Cannot resume the training data order: {"; ".join(changed)}. Restore the saved config '
-        "values, or call get_train_iterator(config, mesh, start_step=state['step']) to continue "
-        'with a different order on purpose.')
+        f'Cannot resume the training data order: {"; ".join(changed)}. Run with the saved '
+        'values, or use another --workdir to start afresh.')
   return TrainIterator(config, mesh, state['step'])
 
 

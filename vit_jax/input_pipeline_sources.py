@@ -27,6 +27,10 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.d
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
+class DataError(ValueError):
+  """Images that cannot be read; the message is one line naming them and the fix."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Shard:
   """One process's share of a split, or the whole split.
@@ -125,7 +129,7 @@ class ArraySource:
   def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
     """The error to raise when decoding an image of `split` failed with `error`."""
     del split  # Arrays of pixels always decode.
-    return ValueError(f'Cannot read an image of dataset {self.name!r}: {short_message(error)}')
+    return DataError(f'Cannot read an image of dataset {self.name!r}: {short_message(error)}')
 
 
 # The embedded dataset.
@@ -205,6 +209,18 @@ def _class_dirs(split_dir: str) -> list[str]:
   return classes
 
 
+def check_utf8_names(folder: str, names: list[str]) -> None:
+  """A DataError naming the first of the file `names` in `folder` that is not valid UTF-8 (which
+  TensorFlow's file names must be), with its undecodable bytes as \\xNN escapes."""
+  for name in names:
+    try:
+      name.encode('utf-8')
+    except UnicodeEncodeError:  # os.listdir keeps undecodable bytes as surrogate escapes.
+      shown = os.fsencode(os.path.join(folder, name)).decode('utf-8', 'backslashreplace')
+      raise DataError(f'The file name {shown} is not valid UTF-8, which TensorFlow needs: '
+                      'rename it, e.g. to ASCII letters and digits.') from None
+
+
 def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
   """Paths and labels of all images in `split_dir`, in a fixed class-mixed order."""
   paths, labels, others = [], [], collections.Counter()
@@ -216,6 +232,7 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
           f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
           'there or remove it here.')
     names = sorted(os.listdir(class_dir))
+    check_utf8_names(class_dir, names)
     files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
     if not files:
       raise ValueError(f'Class folder {class_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images: '
@@ -270,11 +287,11 @@ class FolderSource(ArraySource):
     pipeline that read several at once, need not be the error of any one of them)."""
     bad = list(undecodable_files(self.select(split)[0]))
     if not bad:
-      return ValueError(f'Cannot decode an image of {self.name} split {split!r}: '
-                        f'{short_message(error)}')
+      return DataError(f'Cannot decode an image of {self.name} split {split!r}: '
+                       f'{short_message(error)}')
     named = '; '.join(f'{path} ({decode_failure(path)})' for path in bad[:3])
     more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
-    return ValueError(
+    return DataError(
         f'Cannot decode {len(bad)} image(s) of {self.name} split {split!r}: {named}{more}. '
         'Remove or replace them, or set config.skip_bad_images=True to skip (and count) them.')
 

@@ -64,10 +64,17 @@ def default_workdir(config_argument: str) -> str:
 
 def lock_workdir(workdir: str):
   """Takes `WORKDIR/lock` (an flock, released when the process ends, holding 'process PID on
-  HOST'); exits naming the holder if another run holds it. Returns the open lock file."""
+  HOST'); exits naming the holder if another run holds it, or in one line if the folder cannot
+  be made or written. Returns the open lock file."""
   path = os.path.join(workdir, 'lock')
-  os.makedirs(workdir, exist_ok=True)
-  lock = open(path, 'a+')  # pylint: disable=consider-using-with  (held until the process ends)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    lock = open(path, 'a+')  # pylint: disable=consider-using-with  (held until the process ends)
+  except OSError as e:
+    why = 'is a file, not a folder' if os.path.isfile(workdir) else (
+        f'cannot be written ({e.strerror}: {e.filename})')
+    sys.exit(f'--workdir={workdir} {why}: give a folder that can be written (it is made if '
+             'missing).')
   lock.seek(0)
   try:
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,27 +131,40 @@ def define_config_flag() -> None:
       'Config file, optionally with an argument: configs/vit.py:b16,cifar10', lock_config=True)
 
 
-def load_config(argv: list[str]) -> ml_collections.ConfigDict:
-  """The config that --config in `argv` names (or the default), without the overrides."""
-  given = [arg.split('=', 1)[1] if '=' in arg else following  # --config=FILE or --config FILE.
+def given_config(argv: list[str]) -> str | None:
+  """The value of the last --config in `argv` (--config=FILE[:ARG] or --config FILE[:ARG])."""
+  given = [arg.split('=', 1)[1] if '=' in arg else following
            for arg, following in zip(argv, argv[1:] + [''])
            if re.fullmatch(r'--?config(=.*)?', arg)]
+  return given[-1] if given else None
+
+
+def load_config(argv: list[str]) -> ml_collections.ConfigDict:
+  """The config that --config in `argv` names (or the default), without the overrides."""
   parser = config_flags.config_flags.ConfigFileFlagParser('config')
-  return parser.parse(given[-1] if given else DEFAULT_CONFIG)
+  return parser.parse(given_config(argv) or DEFAULT_CONFIG)
+
+
+def config_file_error(argv: list[str]) -> str | None:
+  """Why the file of --config in `argv` cannot be read, in one line; None where it can (or
+  there is no --config)."""
+  argument = given_config(argv)
+  path = (argument or '').partition(':')[0]
+  if argument is None or os.path.isfile(path):
+    return None
+  what = f'{path} is a folder' if os.path.isdir(path) else f'no such file {path}'
+  return (f'--config={argument}: {what}. Give a config file, e.g. '
+          '--config=configs/vit.py:b16,cifar10 (the configs/ folder of the repository), or leave '
+          'out --config for the default run.')
 
 
 def config_help(config: ml_collections.ConfigDict) -> str:
   """The fields of `config`, one a line: `--config.FIELD=VALUE  meaning`."""
   lines = ['Config fields, with the values of this config (set one with --config.FIELD=VALUE):']
   for field, meaning in default_config.FIELD_HELP.items():
-    value = field_value(config, field)
+    value = validation.field_at(config, field)
     lines.append(f'  {f"--config.{field}={value!r}":<36} {meaning}')
   return '\n'.join(lines)
-
-
-def field_value(config: ml_collections.ConfigDict, field: str):
-  """The value of dotted `field` ('pp.crop') in `config`."""
-  return functools.reduce(lambda parent, key: parent[key], field.split('.'), config)
 
 
 def unknown_field_error(config: ml_collections.ConfigDict, field: str) -> str | None:
@@ -180,8 +200,11 @@ def one_line_config_errors(argv: list[str]):
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, except that --help exits 0 and lists the config fields, and that an
-  unknown --config.FIELD is a one-line error."""
+  """absl's flag parsing, except that --help exits 0 and lists the config fields, that an
+  unknown --config.FIELD, or a --config file that does not exist, is a one-line error (exit
+  status 1), and that a flag that does not parse exits with 2, as argparse's commands do."""
+  if error := config_file_error(argv):
+    sys.exit(f'Config error: {error}')
   with one_line_config_errors(argv):
     define_config_flag()
   if any(arg.lstrip('-').split('=')[0] in HELP_FLAGS for arg in argv[1:]):
@@ -189,7 +212,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(config_help(load_config(argv)))
     sys.exit(0)
   with one_line_config_errors(argv):
-    return app.parse_flags_with_usage(argv)
+    try:
+      return app.parse_flags_with_usage(argv)
+    except SystemExit as e:  # absl's exit for a flag that does not parse: 2, as argparse's.
+      sys.exit(2 if e.code == 1 else e.code)
 
 
 def drop_closed_event_loop_errors(unraisable) -> None:
@@ -229,12 +255,15 @@ def main(argv):
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
   with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
+    from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top
     from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
     from vit_jax import train_checkpoints  # pylint: disable=g-import-not-at-top
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
+  except input_pipeline_sources.DataError as e:  # A training image that does not decode.
+    sys.exit(f'Data error: {e}')
   except train.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')
   except train_checkpoints.CheckpointSaveError as e:

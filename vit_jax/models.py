@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vit_jax import config as default_config
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS
 
@@ -220,11 +221,21 @@ def main():
   args = parser.parse_args()
   print(f'{"model":<18} {"params":>13} {"GFLOPs/image":>13}   at {args.image_size} px, '
         f'{args.num_classes} classes')
-  for name in LISTED_MODELS:
-    model = get_model(name, num_classes=args.num_classes)
+  for name, config in listed_model_configs():
+    model = get_model(config, num_classes=args.num_classes)
     size = args.image_size
     print(f'{name:<18} {count_params(model, size):>13,} {gflops_per_image(model, size):>13.2f}',
           flush=True)
+  print(f'The last row, {default_config.get_config().model_name}, is the model of the default '
+        'run, python -m vit_jax.main (vit_jax/config.py; it trains at 28 px).')
+
+
+def listed_model_configs() -> list[tuple[str, ml_collections.ConfigDict]]:
+  """(name, model config) of each of LISTED_MODELS, then of the default run's model (a model of
+  its own, not a registry name)."""
+  default = default_config.get_config()
+  return [(name, MODEL_CONFIGS[name]) for name in LISTED_MODELS] + [
+      (default.model_name, default.model)]
 
 
 if __name__ == '__main__':

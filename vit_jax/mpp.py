@@ -257,9 +257,6 @@ def config_error(config: ml_collections.ConfigDict) -> str | None:
   mpp = config.mpp
   if mpp.target not in TARGETS:
     return f'config.mpp.target={mpp.target!r} is not one of {TARGETS}.'
-  if not 0 < mpp.corruption_rate <= 1:
-    return (f'config.mpp.corruption_rate={mpp.corruption_rate!r} must be in (0, 1], e.g. 0.5 '
-            '(the paper).')
   split = tuple(mpp.mask_random_keep)
   if len(split) != 3 or min(split) < 0 or not math.isclose(sum(split), 1):
     return (f'config.mpp.mask_random_keep={split!r} must be 3 shares (mask, random, keep) of 0 or '

@@ -104,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     labels = load_labels(args.labels, model.num_classes)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return 1
 
   images, failed = {}, False
   for path in args.images:

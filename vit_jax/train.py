@@ -241,18 +241,34 @@ ADDED_FIELDS = {'model.transformer.stochastic_depth': 0.0,
 
 def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
   """The fields fixing the checkpoints' shapes or data order that differ between
-  `WORKDIR/config.json` and `config`, as 'field (saved X, now Y)'; [] without a config.json."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  `WORKDIR/config.json` and `config`, as 'field (saved X, now Y)'; [] without a config.json.
+  A ConfigError where config.json does not read (`checkpoint.read_run_config`)."""
+  try:
+    saved = checkpoint.read_run_config(workdir)
+  except checkpoint.CheckpointError as e:
+    raise ConfigError(str(e)) from None
+  if saved is None:
     return []
-  with open(path) as f:
-    saved = {**ADDED_FIELDS, **_flatten(json.load(f))}
+  saved = {**ADDED_FIELDS, **_flatten(saved)}
   now = {**ADDED_FIELDS, **_flatten(json.loads(config.to_json_best_effort()))}
   fields = STATE_FIELDS + input_pipeline._ORDER_FIELDS  # pylint: disable=protected-access
   return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
           for key in sorted(saved.keys() | now.keys())
           if any(key == f or key.startswith(f + '.') for f in fields)
           and saved.get(key) != now.get(key)]
+
+
+# What a run writes through WORKDIR/NAME.tmp files (`write_config`, `checkpoint.save`).
+WRITTEN_THROUGH_TMP = ('config.json', 'model.npz', 'model_raw.npz')
+
+
+def remove_stale_temporaries(workdir: str) -> None:
+  """Removes the WORKDIR/NAME.tmp of WRITTEN_THROUGH_TMP that a killed run left half-written."""
+  for name in WRITTEN_THROUGH_TMP:
+    path = os.path.join(workdir, name + '.tmp')
+    if os.path.exists(path):
+      os.remove(path)
+      logging.info('Removed %s, left half-written by a run that was stopped.', path)
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -322,6 +338,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    remove_stale_temporaries(workdir)
 
   params = None
   if config.pretrained_path:

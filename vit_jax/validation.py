@@ -6,8 +6,9 @@ field and the fix.
 reported within seconds; `train.train_and_evaluate` runs them for library callers, then checks
 the dataset and its splits (`train.check_data`, through tf.data), all before compiling.
 """
-import functools
 import logging
+import math
+import numbers
 import os
 
 import ml_collections
@@ -67,39 +68,71 @@ def fits_devices(config: ml_collections.ConfigDict, num_devices: int) -> bool:
           batch_split_error(config, data_parallel_size(config, num_devices)) is None)
 
 
-# Fields that count (steps, examples, devices) or scale something, so must be above 0.
-POSITIVE_FIELDS = ('total_steps', 'batch', 'batch_eval', 'accum_steps', 'progress_every',
-                   'eval_every', 'checkpoint_every', 'base_lr', 'mesh.model', 'pp.crop',
-                   'shuffle_buffer')
+def field_at(config: ml_collections.ConfigDict, field: str, missing=None):
+  """The value of dotted `field` ('pp.crop') in `config`; `missing` where a part is absent."""
+  value = config
+  for key in field.split('.'):
+    if not isinstance(value, ml_collections.ConfigDict) or key not in value:
+      return missing
+    value = value[key]
+  return value
+
+
+def _bounds(allowed: defaults.Range) -> str:
+  """`allowed`'s bounds in words: 'greater than 0', '0 or more', 'in [0, 1)'."""
+  low, high = allowed.low, allowed.high
+  if high is None:
+    return f'greater than {low}' if allowed.low_open else f'{low} or more'
+  if low is None:
+    return f'less than {high}' if allowed.high_open else f'{high} or less'
+  return f'in {"[("[allowed.low_open]}{low}, {high}{"])"[allowed.high_open]}'
+
+
+
+def _is_kind(value, kind: type) -> bool:
+  """Whether `value` is a number of `kind`: an int (not a bool), or for float any real number."""
+  return (not isinstance(value, bool) and
+          isinstance(value, numbers.Integral if kind is int else numbers.Real))
+
+
+def _in_range(value, allowed: defaults.Range) -> bool:
+  """Whether `value` is a finite number of `allowed.kind` within its bounds."""
+  if not (_is_kind(value, allowed.kind) and math.isfinite(value)):
+    return False
+  low, high = allowed.low, allowed.high
+  return ((low is None or (value > low if allowed.low_open else value >= low)) and
+          (high is None or (value < high if allowed.high_open else value <= high)))
+
+
+def range_error(field: str, value, allowed: defaults.Range) -> str | None:
+  """Why `value` of config `field` is not one `allowed` (vit_jax.config.FIELD_RANGES) takes, in
+  one line, or None where it is."""
+  special = [(v, meaning, _in_range(v, allowed)) for v, meaning in allowed.special]
+  if _in_range(value, allowed) or any(
+      value is None if v is None else _is_kind(value, float) and value == v
+      for v, _, _ in special):
+    return None
+  kind = '' if _is_kind(value, allowed.kind) else (
+      'an integer ' if allowed.kind is int else 'a number ')
+  notes = ''.join(f' ({v!r}: {meaning})' for v, meaning, inside in special if inside)
+  options = [f'{v!r} ({meaning})' for v, meaning, inside in special if not inside]
+  return (f'config.{field}={value!r} must be '
+          f'{" or ".join(options + [kind + _bounds(allowed)])}{notes}.')
 
 
 def values_error(config: ml_collections.ConfigDict) -> str | None:
-  """Why a field value of `config` cannot work on any devices, or None where all can."""
-  for field in POSITIVE_FIELDS:
-    value = functools.reduce(getattr, field.split('.'), config)
-    if not value > 0:
-      return f'config.{field}={value!r} must be greater than 0.'
-  if config.mesh.data != -1 and config.mesh.data < 1:
-    return (f'config.mesh.data={config.mesh.data} must be -1 (all the devices that '
-            'config.mesh.model leaves) or greater than 0.')
-  if config.val_every is not None and config.val_every < 1:
-    return f'config.val_every={config.val_every} must be None (eval_every) or greater than 0.'
-  for field in ('every', 'num_test'):
-    if config.fewshot[field] is not None and config.fewshot[field] < 1:
-      return f'config.fewshot.{field}={config.fewshot[field]} must be None or greater than 0.'
-  if config.fewshot.datasets and not (config.fewshot.seeds > 0 and config.fewshot.shots and
-                                      min(config.fewshot.shots) > 0):
+  """Why a field value of `config` cannot work on any devices, or None where all can: first
+  the type and range of each numeric field (vit_jax.config.FIELD_RANGES)."""
+  absent = object()
+  for field, allowed in defaults.FIELD_RANGES.items():
+    value = field_at(config, field, missing=absent)
+    if value is not absent and (error := range_error(field, value, allowed)):
+      return error
+  if config.fewshot.datasets and not (config.fewshot.shots and min(config.fewshot.shots) > 0):
     return (f'config.fewshot.shots={tuple(config.fewshot.shots)} and config.fewshot.seeds='
             f'{config.fewshot.seeds} must be positive, e.g. (5, 10) and 1.')
-  if config.warmup_steps < 0:
-    return f'config.warmup_steps={config.warmup_steps} must be 0 or more.'
   if error := randaug_error(config.pp.get('randaug')):
     return error
-  if not config.mixup.p >= 0:
-    return f'config.mixup.p={config.mixup.p!r} must be 0 (off) or more, e.g. 0.2.'
-  if not 0 <= config.ema_decay < 1:
-    return (f'config.ema_decay={config.ema_decay!r} must be in [0, 1), e.g. 0.9998 '
-            '(0: no EMA of the weights).')
   if error := mpp.config_error(config):
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
@@ -172,6 +205,8 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
     except published.PublishedError as e:
       raise ConfigError(f'config.pretrained_path: {e}') from None
     return
+  if unfinished := checkpoint.unfinished_run(path):
+    raise ConfigError(f'config.pretrained_path: {unfinished}')
   if os.path.isdir(path) and not os.path.isfile(pretrained_file(config)):
     raise ConfigError(f'config.pretrained_path={path!r} is a folder without a model.npz: give '
                       'the path of a .npz checkpoint, or of a finished training workdir.')

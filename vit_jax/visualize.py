@@ -1,6 +1,6 @@
 """Figures of what a Vision Transformer learned, as PNG files (paper Section 4.5, Figure 7).
 
-    python -m vit_jax.visualize --checkpoint WORKDIR --output figures/
+    python -m vit_jax.visualize --checkpoint WORKDIR  # Writes WORKDIR/figures/*.png.
     python -m vit_jax.visualize --checkpoint ViT-B_16.npz --model ViT-B_16 \\
         --images cat.jpg dog.png --output figures/
 
@@ -24,7 +24,6 @@ The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotl
 (made without pyplot, so no display is needed) for reuse in notebooks.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -61,11 +60,8 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
   from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
-  path = os.path.join(checkpoint_path, 'config.json')
-  if not os.path.isfile(path):
-    return False
-  with open(path) as f:
-    return json.load(f).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
+  config = checkpoint.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
+  return (config or {}).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
@@ -291,7 +287,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       '(augreg:B/16-384; python -m vit_jax.checkpoint --list).')
   parser.add_argument('--model', help='Registry model name; needed for files without a saved '
                       'model spec (the published ones).')
-  parser.add_argument('--output', required=True, help='Folder the PNG files are written to.')
+  parser.add_argument('--output', help='Folder the PNG files are written to; default: '
+                      'WORKDIR/figures for a training workdir as --checkpoint.')
   parser.add_argument('--images', nargs='+', default=[], help='Image files to draw attention on.')
   parser.add_argument('--num_images', type=int, default=4,
                       help='Embedded test images to use when --images is not given.')
@@ -331,18 +328,30 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   return figures
 
 
+def output_folder(args: argparse.Namespace) -> str:
+  """--output, or WORKDIR/figures where --checkpoint is a training workdir; a ValueError where
+  neither is given."""
+  if args.output:
+    return args.output
+  if os.path.isdir(args.checkpoint):
+    return os.path.join(args.checkpoint, 'figures')
+  raise ValueError(f'--checkpoint {args.checkpoint} is not a training workdir: give --output '
+                   'FOLDER for the figures.')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Writes the figures and prints their paths; returns the exit status, 2 for bad input."""
+  """Writes the figures and prints their paths; returns the exit status, 1 for bad input."""
   args = parse_args(argv)
   try:
+    output = output_folder(args)
     figures = draw_figures(args)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
-  os.makedirs(args.output, exist_ok=True)
+    return 1
+  os.makedirs(output, exist_ok=True)
   for figure_name in FIGURES:
     if figure_name in figures:
-      path = os.path.join(args.output, f'{figure_name}.png')
+      path = os.path.join(output, f'{figure_name}.png')
       figures[figure_name].savefig(path, dpi=100)
       print(path)
   return 0
