@@ -23,6 +23,7 @@ from helpers import xla_flags
 from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import convert
+from vit_jax import errors
 from vit_jax import export
 from vit_jax import fewshot
 from vit_jax import predict
@@ -105,6 +106,18 @@ def test_a_value_of_another_type_is_refused_naming_the_type():
   for field, value in (('mesh.data', -1), ('val_every', None), ('keep_checkpoints', 0),
                        ('base_lr', 3), ('ema_decay', 0.0), ('pp.area_min', 1.0)):
     assert validation.range_error(field, value, defaults.FIELD_RANGES[field]) is None
+
+
+def test_config_error_lives_in_errors_which_imports_nothing_of_vit_jax():
+  # Any module may raise it without importing validation's nine siblings; callers that catch
+  # validation.ConfigError catch the same class.
+  code = ('import sys; from vit_jax import errors; '
+          'print(sorted(m for m in sys.modules if m.startswith("vit_jax")))')
+  loaded = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          check=True).stdout.split('\n')[0]
+  assert loaded == "['vit_jax', 'vit_jax.errors']"
+  assert validation.ConfigError is errors.ConfigError
+  assert issubclass(errors.ConfigError, ValueError)
 
 
 def test_keep_checkpoints_of_minus_one_is_refused_before_anything_runs(tmp_path):

@@ -28,12 +28,13 @@ from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import mpp
+from vit_jax.errors import ConfigError
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
 from vit_jax.train_checkpoints import Checkpoints
 from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
 from vit_jax.train_step import jit_train_step, make_optimizer
-from vit_jax.validation import ConfigError, data_parallel_size, mesh_error, pretrained_file
+from vit_jax.validation import data_parallel_size, mesh_error, pretrained_file
 from vit_jax.validation import validate_config
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from vit_jax.errors import ConfigError
 from vit_jax.train_step import TrainState
-from vit_jax.validation import ConfigError
 
 
 class CheckpointSaveError(RuntimeError):

@@ -23,10 +23,7 @@ from vit_jax import positions
 from vit_jax import published
 from vit_jax import registry
 from vit_jax import sharding
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message is one line naming the field and the fix."""
+from vit_jax.errors import ConfigError  # Re-exported: callers catch validation.ConfigError.
 
 
 def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> int:

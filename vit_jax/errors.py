@@ -1,0 +1,6 @@
+"""The errors vit_jax raises for what a user gave it; this module imports nothing of vit_jax, so
+any module can raise them without importing the others."""
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message is one line naming the field and the fix."""
