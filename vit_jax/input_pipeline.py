@@ -49,7 +49,7 @@ _ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
 _RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
 _FOREVER = 2**62  # Number of training epochs.
 # The config fields the training order depends on: a resumed run must use the same values.
-_ORDER_FIELDS = ('dataset', 'train_split', 'seed', 'batch')
+ORDER_FIELDS = ('dataset', 'train_split', 'seed', 'batch')
 
 Batch = dict[str, Any]
 
@@ -343,7 +343,7 @@ def prefetch_to_mesh(batches: Iterator[Batch], sharding: NamedSharding,
 
 def _order_settings(config) -> dict[str, Any]:
   """The settings the training order depends on: a resumed run must have the same."""
-  settings = {field: config[field] for field in _ORDER_FIELDS}
+  settings = {field: config[field] for field in ORDER_FIELDS}
   if not sources.get_source(config).random_access:  # Each process shuffles its own tfds share.
     settings['process_count'] = jax.process_count()
   return settings

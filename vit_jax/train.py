@@ -252,7 +252,7 @@ def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[s
     return []
   saved = {**ADDED_FIELDS, **_flatten(saved)}
   now = {**ADDED_FIELDS, **_flatten(json.loads(config.to_json_best_effort()))}
-  fields = STATE_FIELDS + input_pipeline._ORDER_FIELDS  # pylint: disable=protected-access
+  fields = STATE_FIELDS + input_pipeline.ORDER_FIELDS
   return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
           for key in sorted(saved.keys() | now.keys())
           if any(key == f or key.startswith(f + '.') for f in fields)
