@@ -30,8 +30,8 @@ def timm_runner(timm_name: str, dropout: float, batch: int, image_size: int, tra
                 compiled: bool):
   """(run(n): n back-to-back timm steps on the first CUDA device (else the CPU), then a wait;
   seconds of the first step, compilation included)."""
-  import timm  # pylint: disable=g-import-not-at-top  (optional)
-  import torch  # pylint: disable=g-import-not-at-top
+  import timm  # Optional.
+  import torch
   device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
   model = timm.create_model(timm_name, num_classes=inference_time.NUM_CLASSES,
                             img_size=image_size, pos_drop_rate=dropout,
@@ -65,8 +65,8 @@ def timm_runner(timm_name: str, dropout: float, batch: int, image_size: int, tra
 def timm_versions() -> dict | None:
   """{'torch_version', 'timm_version'} where both import, else None."""
   try:
-    import timm  # pylint: disable=g-import-not-at-top
-    import torch  # pylint: disable=g-import-not-at-top
+    import timm
+    import torch
   except ImportError:
     return None
   return {'torch_version': torch.__version__, 'timm_version': timm.__version__}

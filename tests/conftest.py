@@ -43,7 +43,7 @@ def pytest_sessionfinish():
 def trained_run(tmp_path_factory):
   """(workdir, final metrics) of one run of tests/tiny_config.py (60 steps, checkpoints of steps
   40 and 60 kept, model.npz), trained once for every test that reads what a run writes."""
-  import helpers  # pylint: disable=g-import-not-at-top (after the environment above)
-  from vit_jax import train  # pylint: disable=g-import-not-at-top
+  import helpers  # After the environment above.
+  from vit_jax import train
   workdir = str(tmp_path_factory.mktemp('trained_run'))
   return workdir, train.train_and_evaluate(helpers.tiny_config(), workdir)

@@ -138,7 +138,7 @@ def test_embedding_filter_components_recover_planted_directions():
 
 
 def test_read_scalars_sorts_steps_and_keeps_the_last_value_of_a_resumed_run(tmp_path):
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from clu import metric_writers  # It imports TensorFlow.
   for run, steps in enumerate([(10, 20, 30), (30, 40)]):
     writer = metric_writers.create_default_writer(str(tmp_path))
     for step in steps:

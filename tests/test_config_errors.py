@@ -224,7 +224,7 @@ def image_folder(path, num_per_class=3) -> str:
 
 
 def test_a_file_name_that_is_not_utf8_is_named_in_one_line(tmp_path):
-  from vit_jax import train  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from vit_jax import train  # It imports TensorFlow.
   folder = image_folder(tmp_path / 'photos')
   with open(os.path.join(os.fsencode(folder), b'train', b'shoe', b'caf\xe9.png'), 'wb') as f:
     f.write((tmp_path / 'photos' / 'train' / 'shoe' / '0.png').read_bytes())
@@ -283,7 +283,7 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
 
 
 def test_convert_without_recorded_heads_asks_for_them(tmp_path, capsys):
-  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  import safetensors.numpy
   safetensors.numpy.save_file({'blocks.0.attn.qkv.weight': np.zeros((6, 2), np.float32)},
                               tmp_path / 'bare.safetensors')
   assert convert.main([str(tmp_path / 'bare.safetensors'), str(tmp_path / 'out.npz')]) == 1

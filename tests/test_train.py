@@ -118,7 +118,7 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
 
 
 def test_only_the_default_run_evaluates_few_shot():
-  from configs import vit  # pylint: disable=g-import-not-at-top
+  from configs import vit
   assert tuple(defaults.get_config().fewshot.datasets) == ('fashion_mnist_embedded',)
   assert defaults.get_config().fewshot.every is None  # At the end only.
   assert not defaults.training_defaults().fewshot.datasets
@@ -337,7 +337,7 @@ def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, 
 
 
 def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
-  from configs import vit  # pylint: disable=g-import-not-at-top
+  from configs import vit
   assert vit.get_config('b16,cifar10').model.hidden_size == 768
   with pytest.raises(validation.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
                                                    r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):

@@ -101,7 +101,7 @@ def test_titles_fit_maps_cover_images_and_grey_filters_are_grey(image_size):
 
 def test_older_workdir_builds_its_model_from_config_and_draws_training_curves(tmp_path, capsys):
   """A run of a version that saved no model spec: config.json names the model."""
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from clu import metric_writers  # It imports TensorFlow.
   workdir = tmp_path / 'workdir'
   workdir.mkdir()
   model = models.get_model(ml_collections.ConfigDict(TINY_HYBRID_GAP), num_classes=10)
@@ -126,7 +126,7 @@ def test_older_workdir_builds_its_model_from_config_and_draws_training_curves(tm
 
 
 def test_training_curves_alone_need_no_model(tmp_path, capsys):
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from clu import metric_writers  # It imports TensorFlow.
   writer = metric_writers.create_default_writer(str(tmp_path))
   writer.write_scalars(1, {'train_loss': 1.0})
   writer.close()

@@ -141,10 +141,8 @@ def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   summaries. Steps are sorted; a step logged twice (a resumed run) keeps its last value.
   Imports TensorFlow (about 7 s), which TensorBoard uses to read the files.
   """
-  # pylint: disable=g-import-not-at-top
   from tensorboard.backend.event_processing import event_accumulator
   from tensorboard.util import tensor_util
-  # pylint: enable=g-import-not-at-top
 
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f'No training workdir at {workdir!r}.')

@@ -83,7 +83,7 @@ def _open(path: str, mode: str):
     if 'r' in mode and not os.path.isfile(path):
       raise FileNotFoundError(f'No such checkpoint file: {path}')
     return open(path, mode)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (seconds to import)
+  import tensorflow as tf  # Seconds to import: only URLs need it.
   try:
     if 'r' in mode and not tf.io.gfile.exists(path):
       raise FileNotFoundError(f'No such checkpoint file: {path}')

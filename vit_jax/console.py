@@ -61,7 +61,7 @@ class ProgressBarHandler(logging.StreamHandler):
         self._print(self.format(record))
       else:
         self._advance(*progress, self.format(record))
-    except Exception:  # pylint: disable=broad-except  (what logging.Handler.emit does)
+    except Exception:  # What logging.Handler.emit does.
       self.handleError(record)
 
   def _print(self, line: str) -> None:
@@ -139,5 +139,5 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
     root.removeHandler(old)
   root.addHandler(handler)
   if not stream.isatty():  # tfds's preparation bars would print a line per update.
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (after the env)
+    import tensorflow_datasets as tfds  # After TF_CPP_MIN_LOG_LEVEL is set.
     tfds.disable_progress_bar()

@@ -173,7 +173,7 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
   SERVING_PLATFORMS; otherwise (batch_size, image_size, image_size, 3), for the CPU alone (what
   TFLite converts).
   """
-  # pylint: disable=g-import-not-at-top (TensorFlow only for these formats)
+  # Imported here: only these formats need TensorFlow.
   import tensorflow as tf
   from jax.experimental import jax2tf
   from vit_jax import input_pipeline
@@ -200,7 +200,7 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
 
 def write_saved_model(model, params, image_size: int, out: str, labels: list[str]) -> None:
   del labels
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
   module = serving_module(model, params, image_size)
   tf.saved_model.save(module, out, signatures={'serving_default': module.serving_default,
                                                'serving_float': module.serving_float})
@@ -209,7 +209,7 @@ def write_saved_model(model, params, image_size: int, out: str, labels: list[str
 def write_tflite(model, params, image_size: int, out: str, labels: list[str]) -> None:
   """A TFLite flatbuffer of the uint8 serving function at batch size 1, TFLite's own ops only."""
   del labels
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
   module = serving_module(model, params, image_size, batch_size=1)
   converter = tf.lite.TFLiteConverter.from_concrete_functions([module.serving_default], module)
   with open(out, 'wb') as f:

@@ -69,7 +69,7 @@ def lock_workdir(workdir: str):
   path = os.path.join(workdir, 'lock')
   try:
     os.makedirs(workdir, exist_ok=True)
-    lock = open(path, 'a+')  # pylint: disable=consider-using-with  (held until the process ends)
+    lock = open(path, 'a+')  # No `with`: held until the process ends.
   except OSError as e:
     why = 'is a file, not a folder' if os.path.isfile(workdir) else (
         f'cannot be written ({e.strerror}: {e.filename})')
@@ -255,9 +255,9 @@ def main(argv):
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
   with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
-    from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top
-    from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
-    from vit_jax import train_checkpoints  # pylint: disable=g-import-not-at-top
+    from vit_jax import input_pipeline_sources
+    from vit_jax import train  # It imports TensorFlow.
+    from vit_jax import train_checkpoints
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:

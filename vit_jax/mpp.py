@@ -112,7 +112,7 @@ class MaskedPatchViT(models_vit.VisionTransformer):
   head included, so that the params keep the published layout)."""
   mpp_outputs: int = COLORS
 
-  def init(self, rngs, images, *args, **kwargs):  # pylint: disable=arguments-differ
+  def init(self, rngs, images, *args, **kwargs):
     variables = super().init(rngs, images, *args, **kwargs)
     b = images.shape[0]
     rows, columns = self.grid(images.shape[1:3])

@@ -149,7 +149,7 @@ class Checkpoints:
         saved = abstract.replace(ema=abstract.params if self.has_ema(step) else None)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(saved), data=ocp.args.JsonRestore()))
-      except Exception as e:  # pylint: disable=broad-except  (TensorStore, JSON, missing files)
+      except Exception as e:  # TensorStore, JSON or missing files: the step is skipped.
         logging.warning('Skipped checkpoint %d in %s: it does not restore (%s).', step,
                         self.directory, _first_line(e))
         skipped.append((step, e))

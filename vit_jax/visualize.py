@@ -59,7 +59,7 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
-  from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from vit_jax import input_pipeline_sources  # It imports TensorFlow.
   config = checkpoint.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
   return (config or {}).get('dataset') == input_pipeline_sources.EMBEDDED_DATASET
 
@@ -74,7 +74,7 @@ def load_model(checkpoint_path: str, model_name: Optional[str] = None):
 
 def embedded_images(num_images: int, size: int) -> np.ndarray:
   """The first test images of the embedded Fashion-MNIST set: (B, size, size, 3) in [-1, 1]."""
-  from vit_jax import input_pipeline_sources  # pylint: disable=g-import-not-at-top (TensorFlow)
+  from vit_jax import input_pipeline_sources  # It imports TensorFlow.
   with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
     grey = data['test_images'][:num_images]
   rgb = [Image.fromarray(x).convert('RGB').resize((size, size), Image.Resampling.BILINEAR)
