@@ -16,8 +16,7 @@ of the default run trained from scratch (README: Masked patch prediction).
 import ml_collections
 
 from vit_jax import config as defaults
-
-MODELS = {'b16': 'ViT-B_16', 'b32': 'ViT-B_32', 's16': 'ViT-S_16', 'l16': 'ViT-L_16'}
+from vit_jax import registry
 
 
 def get_config(arg: str = 'b16,imagenet2012') -> ml_collections.ConfigDict:
@@ -31,7 +30,7 @@ def get_config(arg: str = 'b16,imagenet2012') -> ml_collections.ConfigDict:
     if not dataset:
       raise ValueError(f'--config=configs/mpp.py:{arg}: give MODEL,DATASET, e.g. '
                        'b16,imagenet2012, or fashion_mnist.')
-    config = defaults.with_model(defaults.training_defaults(), MODELS.get(model, model))
+    config = defaults.with_model(defaults.training_defaults(), registry.full_name(model))
     config.dataset = dataset
     config.train_split, config.val_split = 'train[:99%]', 'train[99%:]'
     config.test_split = 'validation' if dataset == 'imagenet2012' else 'test'

@@ -1,23 +1,16 @@
 """`--config=configs/vit.py:MODEL,DATASET`: a registry model on a dataset preset.
 
-MODEL is a short name (ti16, s16, b16, l16, h14, b32, r50_b16, ...: see MODELS) or a registry
-name (ViT-B_16); DATASET a preset of DATASETS, the embedded dataset, any tfds name, or an image
-folder DIR with DIR/train/<class>/* and DIR/test/<class>/*. Without a pretrained path this trains
-from scratch; with `--config.pretrained_path=FILE.npz` it fine-tunes as in the paper
-(momentum SGD, batch 512, cosine decay, no weight decay, global-norm clip 1).
+MODEL is a short name (ti16, s16, b16, l16, h14, b32, r50_b16, ...: SHORT_NAMES of
+vit_jax/registry.py) or a registry name (ViT-B_16); DATASET a preset of DATASETS, the embedded
+dataset, any tfds name, or an image folder DIR with DIR/train/<class>/* and DIR/test/<class>/*.
+Without a pretrained path this trains from scratch; with `--config.pretrained_path=FILE.npz` it
+fine-tunes as in the paper (momentum SGD, batch 512, cosine decay, no weight decay, global-norm
+clip 1).
 """
 import ml_collections
 
 from vit_jax import config as defaults
-
-MODELS = {
-    'ti16': 'ViT-Ti_16', 's16': 'ViT-S_16', 's32': 'ViT-S_32', 'b8': 'ViT-B_8',
-    'b16': 'ViT-B_16', 'b32': 'ViT-B_32', 'l16': 'ViT-L_16', 'l32': 'ViT-L_32',
-    'h14': 'ViT-H_14', 's16_gap': 'ViT-S_16-gap', 's32_gap': 'ViT-S_32-gap',
-    'b16_gap': 'ViT-B_16-gap', 'b32_gap': 'ViT-B_32-gap', 'r_ti16': 'R+ViT-Ti_16',
-    'r26_s32': 'R26+ViT-S_32', 'r26_b32': 'R26+ViT-B_32', 'r50_b16': 'R50+ViT-B_16',
-    'r50_l32': 'R50+ViT-L_32',
-}
+from vit_jax import registry
 
 # Fine-tuning presets of the paper's transfer experiments (Appendix B.1.1), at 384 px.
 DATASETS = {
@@ -44,7 +37,7 @@ def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
   model, _, dataset = arg.partition(',')
   if not dataset:
     raise ValueError(f'--config=configs/vit.py:{arg}: give MODEL,DATASET, e.g. b16,cifar10.')
-  config = defaults.with_model(defaults.training_defaults(), MODELS.get(model, model))
+  config = defaults.with_model(defaults.training_defaults(), registry.full_name(model))
   preset = DATASETS.get(dataset, OTHER_DATASET)
   config.dataset = dataset
   config.train_split, config.test_split = preset['train_split'], preset['test_split']

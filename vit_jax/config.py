@@ -329,6 +329,6 @@ def resolve_model(config: ml_collections.ConfigDict) -> None:
   if config.model_name not in registry.MODEL_CONFIGS:
     current = f' (config.model is {config.model.get("name")!r})' if config.model else ''
     raise ValueError(f'Unknown model config.model_name={config.model_name!r}{current}. Known '
-                     f'models: {", ".join(registry.MODEL_CONFIGS)} (short names in '
-                     'configs/vit.py).')
+                     f'models: {", ".join(registry.MODEL_CONFIGS)} (short names: '
+                     'vit_jax.registry.SHORT_NAMES).')
   with_model(config, config.model_name)

@@ -1,4 +1,5 @@
-"""The model registry: the configurations of the published models, by name (`MODEL_CONFIGS`).
+"""The model registry: the configurations of the published models, by name (`MODEL_CONFIGS`),
+and the short names that the configs/ files take for them (`SHORT_NAMES`).
 
 Sizes follow Table 1 of the paper (hidden size D, MLP size, heads, layers):
 Ti 192/768/3/12, S 384/1536/6/12, B 768/3072/12/12, L 1024/4096/16/24, H 1280/5120/16/32.
@@ -10,11 +11,22 @@ and `resnet` (None, or num_layers and width_factor of the hybrid's ResNet stem).
 import ml_collections
 
 MODEL_CONFIGS: dict[str, ml_collections.ConfigDict] = {}
+# {short name: registry name}: the MODEL of `--config=configs/vit.py:MODEL,DATASET` (b16 for
+# ViT-B_16), which the configs/ files read through `full_name`.
+SHORT_NAMES: dict[str, str] = {}
 
 
-def _register(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def _register(config: ml_collections.ConfigDict,
+              short_name: str | None = None) -> ml_collections.ConfigDict:
   MODEL_CONFIGS[config.name] = config
+  if short_name is not None:
+    SHORT_NAMES[short_name] = config.name
   return config
+
+
+def full_name(name: str) -> str:
+  """The registry name of a short name (b16 -> ViT-B_16); any other name as it is."""
+  return SHORT_NAMES.get(name, name)
 
 
 def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'):
@@ -53,26 +65,26 @@ def gap(base):
   return config
 
 
-TI16 = _register(vit('ViT-Ti_16', 16, 192, 768, 3, 12))
-S16 = _register(vit('ViT-S_16', 16, 384, 1536, 6, 12))
-S32 = _register(vit('ViT-S_32', 32, 384, 1536, 6, 12))
-B8 = _register(vit('ViT-B_8', 8, 768, 3072, 12, 12))
-B16 = _register(vit('ViT-B_16', 16, 768, 3072, 12, 12))
-B32 = _register(vit('ViT-B_32', 32, 768, 3072, 12, 12))
-L16 = _register(vit('ViT-L_16', 16, 1024, 4096, 16, 24, dropout=0.1))
-L32 = _register(vit('ViT-L_32', 32, 1024, 4096, 16, 24))
-H14 = _register(vit('ViT-H_14', 14, 1280, 5120, 16, 32, dropout=0.1))
-for _base in (S16, S32, B16, B32):
-  _register(gap(_base))
+TI16 = _register(vit('ViT-Ti_16', 16, 192, 768, 3, 12), 'ti16')
+S16 = _register(vit('ViT-S_16', 16, 384, 1536, 6, 12), 's16')
+S32 = _register(vit('ViT-S_32', 32, 384, 1536, 6, 12), 's32')
+B8 = _register(vit('ViT-B_8', 8, 768, 3072, 12, 12), 'b8')
+B16 = _register(vit('ViT-B_16', 16, 768, 3072, 12, 12), 'b16')
+B32 = _register(vit('ViT-B_32', 32, 768, 3072, 12, 12), 'b32')
+L16 = _register(vit('ViT-L_16', 16, 1024, 4096, 16, 24, dropout=0.1), 'l16')
+L32 = _register(vit('ViT-L_32', 32, 1024, 4096, 16, 24), 'l32')
+H14 = _register(vit('ViT-H_14', 14, 1280, 5120, 16, 32, dropout=0.1), 'h14')
+for _short_name, _base in (('s16', S16), ('s32', S32), ('b16', B16), ('b32', B32)):
+  _register(gap(_base), _short_name + '_gap')
 
 # The stem alone (root block, stride 4) under 8x8 patches; the others stack stages.
-_register(hybrid('R+ViT-Ti_16', TI16, 8, ()))
-_register(hybrid('R26+ViT-S_32', S32, 1, (2, 2, 2, 2)))
-_register(hybrid('R26+ViT-B_32', B32, 1, (2, 2, 2, 2)))
+_register(hybrid('R+ViT-Ti_16', TI16, 8, ()), 'r_ti16')
+_register(hybrid('R26+ViT-S_32', S32, 1, (2, 2, 2, 2)), 'r26_s32')
+_register(hybrid('R26+ViT-B_32', B32, 1, (2, 2, 2, 2)), 'r26_b32')
 # ResNet-50 with (3, 4, 9) instead of (3, 4, 6, 3) units: the third stage is extended so the
 # feature map keeps stride 16.
-_register(hybrid('R50+ViT-B_16', B16, 1, (3, 4, 9), dropout=0.1))
-_register(hybrid('R50+ViT-L_32', L32, 1, (3, 4, 6, 3)))
+_register(hybrid('R50+ViT-B_16', B16, 1, (3, 4, 9), dropout=0.1), 'r50_b16')
+_register(hybrid('R50+ViT-L_32', L32, 1, (3, 4, 6, 3)), 'r50_l32')
 
 # A tiny model for tests and quick experiments.
 _register(vit('testing', 16, 16, 32, 2, 1))
