@@ -12,6 +12,7 @@ import tiny_config as tiny_config_file
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import registry
 from vit_jax import train
 from vit_jax import validation
 
@@ -186,3 +187,15 @@ def test_a_run_saved_before_stochastic_depth_resumes_without_it(tmp_path):
   config.model.transformer.stochastic_depth = 0.1
   assert train.resume_mismatches(config, str(tmp_path)) == [
       'model.transformer.stochastic_depth (saved 0.0, now 0.1)']
+
+
+def test_the_registry_holds_the_one_default_of_each_transformer_field(monkeypatch):
+  # The registry's configs, the model built from a config without the field (an older run's
+  # config.json) and the value a resumed run assumes for it all read registry.TRANSFORMER_DEFAULTS.
+  monkeypatch.setitem(registry.TRANSFORMER_DEFAULTS, 'stochastic_depth_schedule', 'uniform')
+  config = registry.vit('tiny', patch=4, hidden=8, mlp=16, heads=2, layers=2)
+  assert config.transformer.stochastic_depth_schedule == 'uniform'
+  del config.transformer['stochastic_depth_schedule']
+  assert models.model_kwargs(config)['stochastic_depth_schedule'] == 'uniform'
+  assert train.added_field_defaults()['model.transformer.stochastic_depth_schedule'] == 'uniform'
+  assert train.added_field_defaults()['posemb'] == 'learned_1d'

@@ -11,7 +11,7 @@ import ml_collections
 
 from vit_jax import config as default_config
 from vit_jax import models_vit
-from vit_jax.registry import MODEL_CONFIGS
+from vit_jax.registry import MODEL_CONFIGS, TRANSFORMER_DEFAULTS
 
 __all__ = ['MODEL_CONFIGS', 'LISTED_MODELS', 'get_model', 'model_spec', 'model_from_spec',
            'count_params', 'forward_flops', 'gflops_per_image']
@@ -31,8 +31,9 @@ def get_model_config(name: str) -> ml_collections.ConfigDict:
 
 
 def model_kwargs(config: ml_collections.ConfigDict) -> dict:
-  """VisionTransformer's arguments from a registry-style config."""
-  transformer = config.transformer
+  """VisionTransformer's arguments from a registry-style config; a field of
+  registry.TRANSFORMER_DEFAULTS that `config.transformer` lacks takes its value from there."""
+  transformer = ml_collections.ConfigDict({**TRANSFORMER_DEFAULTS, **config.transformer})
   resnet = config.get('resnet')
   return dict(
       patch_size=tuple(config.patches.size),
@@ -42,9 +43,8 @@ def model_kwargs(config: ml_collections.ConfigDict) -> dict:
       num_layers=transformer.num_layers,
       dropout_rate=transformer.dropout_rate,
       attention_dropout_rate=transformer.attention_dropout_rate,
-      # Configs from before stochastic depth (an older run's config.json) lack these two.
-      stochastic_depth=transformer.get('stochastic_depth', 0.0),
-      stochastic_depth_schedule=transformer.get('stochastic_depth_schedule', 'linear'),
+      stochastic_depth=transformer.stochastic_depth,
+      stochastic_depth_schedule=transformer.stochastic_depth_schedule,
       classifier=config.classifier,
       representation_size=config.representation_size,
       resnet_layers=None if resnet is None else tuple(resnet.num_layers),

@@ -29,6 +29,13 @@ def full_name(name: str) -> str:
   return SHORT_NAMES.get(name, name)
 
 
+# The transformer fields that `vit` takes no argument for, with the value each model has. A
+# model config without one (an older run's config.json has no stochastic depth) behaves as with
+# this value: vit_jax.models.model_kwargs and train.resume_mismatches read it from here.
+TRANSFORMER_DEFAULTS = {'attention_dropout_rate': 0.0, 'stochastic_depth': 0.0,
+                        'stochastic_depth_schedule': 'linear'}
+
+
 def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'):
   """A plain ViT with square `patch` x `patch` patches."""
   return ml_collections.ConfigDict({
@@ -36,9 +43,8 @@ def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'
       'patches': {'size': (patch, patch)},
       'hidden_size': hidden,
       'transformer': {
-          'mlp_dim': mlp, 'num_heads': heads, 'num_layers': layers,
-          'dropout_rate': dropout, 'attention_dropout_rate': 0.0,
-          'stochastic_depth': 0.0, 'stochastic_depth_schedule': 'linear',
+          'mlp_dim': mlp, 'num_heads': heads, 'num_layers': layers, 'dropout_rate': dropout,
+          **TRANSFORMER_DEFAULTS,
       },
       'classifier': classifier,
       'representation_size': None,

@@ -22,12 +22,14 @@ import ml_collections
 import numpy as np
 
 from vit_jax import checkpoint
+from vit_jax import config as default_config
 from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import mpp
+from vit_jax import registry
 from vit_jax.errors import ConfigError
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
@@ -233,11 +235,18 @@ def _flatten(tree: dict) -> dict[str, Any]:
 # The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
 STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers', 'posemb', 'objective',
                 'mpp.target')
-# Fields newer than some saved config.json files, with the value that behaves as the versions
-# without them did: a config that lacks one holds that value.
-ADDED_FIELDS = {'model.transformer.stochastic_depth': 0.0,
-                'model.transformer.stochastic_depth_schedule': 'linear',
-                'posemb': 'learned_1d', 'objective': 'supervised', 'mpp.target': 'mean_color_3bit'}
+# Fields newer than some saved config.json files: a config that lacks one holds its default
+# (`added_field_defaults`), the value that behaves as the versions without the field did.
+ADDED_FIELDS = ('model.transformer.stochastic_depth', 'model.transformer.stochastic_depth_schedule',
+                'posemb', 'objective', 'mpp.target')
+
+
+def added_field_defaults() -> dict[str, Any]:
+  """{field of ADDED_FIELDS: its default}: the registry's TRANSFORMER_DEFAULTS for the model's
+  fields, config.training_defaults() for the others."""
+  flat = _flatten({**default_config.training_defaults().to_dict(),
+                   'model': {'transformer': registry.TRANSFORMER_DEFAULTS}})
+  return {field: flat[field] for field in ADDED_FIELDS}
 
 
 def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
@@ -250,8 +259,9 @@ def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[s
     raise ConfigError(str(e)) from None
   if saved is None:
     return []
-  saved = {**ADDED_FIELDS, **_flatten(saved)}
-  now = {**ADDED_FIELDS, **_flatten(json.loads(config.to_json_best_effort()))}
+  added = added_field_defaults()
+  saved = {**added, **_flatten(saved)}
+  now = {**added, **_flatten(json.loads(config.to_json_best_effort()))}
   fields = STATE_FIELDS + input_pipeline.ORDER_FIELDS
   return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
           for key in sorted(saved.keys() | now.keys())
