@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from vit_jax import analysis
+from vit_jax import model_init
 from vit_jax import models_vit
 import tiny_config as tiny_config_file
 
@@ -34,12 +35,9 @@ def random_params(model, image_size, seed=0, scale=1.0):
 
   Only the shapes come from the model (jax.eval_shape): nothing is compiled.
   """
-  height, width = (image_size, image_size) if np.isscalar(image_size) else image_size
-  images = jax.ShapeDtypeStruct((1, height, width, 3), np.float32)
-  shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda x: scale * rng.normal(size=x.shape).astype(np.float32),
-                      shapes['params'])
+                      model_init.param_shapes(model, image_size))
 
 
 def images_of(size=16, batch=2, seed=0) -> np.ndarray:

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vit_jax import config as defaults
 from vit_jax import hardware
+from vit_jax import model_init
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import train_step
@@ -72,8 +73,8 @@ def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runne
   seconds); the params are replicated."""
   mesh = Mesh(devices, ('data',))
   images = jax.device_put(random_images(batch, image_size), NamedSharding(mesh, P('data')))
-  params = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False)['params'],
-                   out_shardings=NamedSharding(mesh, P()))(images)
+  params = jax.jit(lambda: model_init.init_params(model, jax.random.key(0), image_size),
+                   out_shardings=NamedSharding(mesh, P()))()
   forward, seconds = compile_timed(
       jax.jit(lambda p, x: model.apply({'params': p}, x, train=False)), params, images)
 

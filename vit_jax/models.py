@@ -6,10 +6,10 @@ import argparse
 from typing import Optional, Union
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from vit_jax import config as default_config
+from vit_jax import model_init
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS, TRANSFORMER_DEFAULTS
 
@@ -108,10 +108,7 @@ def model_from_spec(spec: dict, **overrides) -> models_vit.VisionTransformer:
 
 def param_shapes(model: models_vit.VisionTransformer, image_size: int = 224):
   """The parameter tree as ShapeDtypeStructs, computed without allocating memory."""
-  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(images.shape),
-                                                train=False))
-  return variables['params']
+  return model_init.param_shapes(model, image_size)
 
 
 def count_params(model: models_vit.VisionTransformer, image_size: int = 224) -> int:

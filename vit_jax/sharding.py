@@ -24,8 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from vit_jax import model_init
 
 STRATEGIES = ('data', 'fsdp', 'tensor', 'fsdp+tensor')
 FSDP_MIN_SIZE = 2**14
@@ -77,11 +78,9 @@ def path_names(path) -> tuple[str, ...]:
 def declared_params(model: nn.Module, image_size: int):
   """`model`'s parameters on square `image_size` images as ShapeDtypeStructs, each one that
   was made with `with_axes` in an `nn.LogicallyPartitioned` box holding its logical names."""
-  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
   token = _DECLARING.set(True)
   try:
-    return jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False),
-                          images)['params']
+    return model_init.param_shapes(model, image_size)
   finally:
     _DECLARING.reset(token)
 

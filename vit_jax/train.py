@@ -26,6 +26,7 @@ from vit_jax import config as default_config
 from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
+from vit_jax import model_init
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import mpp
@@ -97,8 +98,7 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int):
 
 def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
-  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
-  return jax.jit(lambda rng: model.init(rng, images, train=False)['params'])(
+  return jax.jit(lambda rng: model_init.init_params(model, rng, image_size))(
       jax.random.PRNGKey(config.seed))
 
 

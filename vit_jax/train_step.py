@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import optax
 
+from vit_jax import model_init
 from vit_jax import mpp
 from vit_jax import sharding
 
@@ -103,11 +104,9 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
   """(state, its shardings), initialised on the devices; `params` replaces the fresh ones (they
   enter the jitted init as arguments, not as constants compiled into it). With a
   `config.ema_decay` the EMA starts as a copy of the initial params."""
-  images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
-
   def init(rng, params):
     if params is None:
-      params = model.init(rng, images, train=False)['params']
+      params = model_init.init_params(model, rng, image_size)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                       ema=jax.tree.map(jnp.copy, params) if config.ema_decay else None)
