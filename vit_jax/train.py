@@ -30,7 +30,7 @@ from vit_jax import models_vit
 from vit_jax import mpp
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
-from vit_jax.train_checkpoints import Checkpoints
+from vit_jax.train_checkpoints import Checkpoints, CheckpointSaveError
 from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
 from vit_jax.train_step import jit_train_step, make_optimizer
 from vit_jax.validation import ConfigError, data_parallel_size, mesh_error, pretrained_file
@@ -335,11 +335,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
                                 checkpoints)
+  except CheckpointSaveError as e:
+    if e.final_state is None:
+      raise
+    saved = export_after_failed_save(e.final_state, model, config, workdir)
+    raise CheckpointSaveError(f'{e} {saved}', e.step) from None
   finally:
     checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
-    export(state, model, config, workdir)
+    try:
+      export(state, model, config, workdir)
+    except CheckpointSaveError as e:
+      raise CheckpointSaveError(
+          f'{e} The checkpoint of step {int(state.step)} is complete: free some space and run '
+          'the same command again to write the file.', e.step) from None
   return last_metrics
+
+
+def export_after_failed_save(state: TrainState, model, config, workdir: str) -> str:
+  """Writes model.npz of the final `state` whose checkpoint failed; says whether it could."""
+  try:
+    export(state, model, config, workdir)
+  except CheckpointSaveError as e:
+    return f'{e} Free some space and run the same command again.'
+  return (f'The final params are in {os.path.join(workdir, checkpoint.WORKDIR_MODEL)}; free some '
+          'space and run the same command again for the final checkpoint.')
 
 
 def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -354,7 +374,13 @@ def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir:
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-      checkpoint.save(params, os.path.join(workdir, name), spec=spec)
+      path = os.path.join(workdir, name)
+      try:
+        checkpoint.save(params, path, spec=spec)
+      except OSError as e:  # A full disk: one line, and no partial file (save removes it).
+        raise CheckpointSaveError(
+            f'Writing the final {what} to {path} failed ({e.strerror or e}); '
+            f'{checkpoint.free_space(path)} free there.', int(state.step)) from None
       logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
@@ -464,9 +490,14 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
                      time.perf_counter() - eval_start)
         last_metrics.update(fewshot_metrics)
         timer_start += time.perf_counter() - eval_start
+    checkpoints.confirm(wait=True)  # The final save: should it fail, `state` is still here.
   except NonFiniteError as e:
     raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
                          e.step) from None
+  except CheckpointSaveError as e:
+    if e.step == config.total_steps:  # Training is complete: its params can still be written.
+      e.final_state = state
+    raise
   return state, last_metrics
 
 

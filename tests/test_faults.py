@@ -1,0 +1,137 @@
+"""Faults during a run, as an operator meets them: a file system that fills to the byte.
+
+Each test runs the command a user types in a subprocess, with the device count it picks for
+itself (helpers.xla_flags(None)).
+
+A full disk is a real one: a small tmpfs mounted for the test (`mount -t tmpfs -o size=...`, which
+needs root), filled to its last byte by a file of zeros. A file-size limit (RLIMIT_FSIZE) fails
+writes with another error (EFBIG) and leaves the file system's free space as it was, so it does
+not show what a full disk does to Orbax, TensorStore, numpy or safetensors. Where mounting is not
+permitted, these tests skip and say so.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from helpers import xla_flags
+from test_main import MainProcess
+from vit_jax import checkpoint
+
+# Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
+FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
+                 'progress_every': 5, 'keep_checkpoints': 5}
+ONE_DEVICE_PER_CORE = {'XLA_FLAGS': xla_flags(None)}  # As a user's process: no harness count.
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """An 8 MiB tmpfs mounted at tmp_path/disk; skips where mounting is not permitted."""
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=8m', 'tmpfs', str(disk)],
+                           capture_output=True, text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f'mounting a tmpfs is not permitted here: {mounted.stderr.strip()}')
+  try:
+    yield disk
+  finally:
+    subprocess.run(['umount', '-l', str(disk)], check=False)
+
+
+def fill(disk, leave: int = 0) -> None:
+  """Fills the file system of `disk` with a file of zeros until `leave` bytes are free."""
+  with open(disk / f'filler-{uuid.uuid4().hex}', 'wb') as f:
+    try:
+      while (free := os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize) > leave:
+        f.write(bytes(min(free - leave, 1 << 20)))
+        f.flush()
+    except OSError:  # Full to the byte.
+      pass
+
+
+def stopped_after_checkpoint(run, checkpoints, step):
+  """Waits until the checkpoint of `step` is complete, then pauses `run` (SIGSTOP)."""
+  run.wait_for(lambda: (checkpoints / str(step)).exists(), f'the checkpoint of step {step}')
+  run.process.send_signal(signal.SIGSTOP)
+
+
+def error_lines(log):
+  return [line for line in log.splitlines()
+          if line.startswith(('Checkpoint error: ', 'Traceback', 'error: '))]
+
+
+def test_a_disk_full_to_the_byte_mid_run_is_one_line_and_leaves_no_partial_checkpoint(
+    small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, FULL_DISK_RUN, env=ONE_DEVICE_PER_CORE)
+  stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
+  fill(small_disk)
+  run.process.send_signal(signal.SIGCONT)
+  assert run.finish() == 1, run.log
+  errors = error_lines(run.log)
+  assert errors == [errors[0]] and errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
+      '(No space left on device); '), run.log
+  assert errors[0].endswith(' free there; the last good checkpoint is step 10.'), run.log
+  assert 'GiB free' not in errors[0]  # Less than 8 MiB is free: said in bytes or KiB.
+  assert run.log.strip().splitlines()[-1] == errors[0]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']  # The partial save is gone.
+
+
+def test_a_disk_full_at_the_last_checkpoint_still_writes_model_npz(small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 20}, env=ONE_DEVICE_PER_CORE)
+  stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
+  fill(small_disk, leave=150 * 1024)  # Room for model.npz, not for a checkpoint.
+  run.process.send_signal(signal.SIGCONT)
+  assert run.finish() == 1, run.log
+  errors = error_lines(run.log)
+  assert errors == [errors[0]] and errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
+      '(No space left on device); '), run.log
+  assert errors[0].endswith(
+      f'; the last good checkpoint is step 10. The final params are in {workdir}/model.npz; '
+      'free some space and run the same command again for the final checkpoint.'), run.log
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']
+  assert checkpoint.load(workdir / 'model.npz')  # Complete: it loads.
+
+
+def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_file(small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
+  assert run.finish() == 0, run.log
+  os.remove(workdir / 'model.npz')
+  fill(small_disk, leave=16 * 1024)  # Room for the lock and config.json, not for model.npz.
+  rerun = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
+  assert rerun.finish() == 1, rerun.log
+  assert 'Already trained to step 10 of 10' in rerun.log
+  errors = error_lines(rerun.log)
+  assert errors == [errors[0]] and re.fullmatch(re.escape(
+      f'Checkpoint error: Writing the final params to {workdir}/model.npz failed (No space left '
+      'on device); ') + '[0-9]+ KiB' + re.escape(
+          ' free there. The checkpoint of step 10 is complete: free some space and run the '
+          'same command again to write the file.'), errors[0]), rerun.log
+  assert not [name for name in os.listdir(workdir) if name.startswith('model')]
+
+
+@pytest.mark.parametrize('format_name', ['timm', 'hf', 'saved_model'])
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
+    small_disk, trained_run, format_name):
+  fill(small_disk, leave=16 * 1024)  # Less than the tiny model's 60 KiB of weights.
+  out = small_disk / 'export'
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format',
+       format_name, '--out', str(out)], capture_output=True, text=True, check=False,
+      env={**os.environ, **ONE_DEVICE_PER_CORE})
+  assert result.returncode == 1, result.stderr
+  assert 'Traceback' not in result.stderr
+  assert re.fullmatch(
+      re.escape(f'error: Writing {out} failed (No space left on device); ') + '[0-9]+ KiB'
+      + re.escape(' free there: free some space, or pass another --out.'),
+      result.stderr.strip().splitlines()[-1]), result.stderr
+  assert not [name for name in os.listdir(small_disk) if not name.startswith('filler')]
