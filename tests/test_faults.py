@@ -1,4 +1,5 @@
-"""Faults during a run, as an operator meets them: a file system that fills to the byte.
+"""Faults during a run, as an operator meets them: a file system that fills to the byte, a
+SIGTERM during the final evaluation.
 
 Each test runs the command a user types in a subprocess, with the device count it picks for
 itself (helpers.xla_flags(None)).
@@ -14,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -135,3 +137,37 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
       + re.escape(' free there: free some space, or pass another --out.'),
       result.stderr.strip().splitlines()[-1]), result.stderr
   assert not [name for name in os.listdir(small_disk) if not name.startswith('filler')]
+
+
+# Ten steps, then an evaluation of all 10,000 test images in 625 batches (several seconds), and
+# with FEWSHOT_AT_END a few-shot evaluation after it.
+LONG_FINAL_EVALUATION = {'total_steps': 10, 'checkpoint_every': 10, 'progress_every': 5,
+                         'eval_every': 10, 'test_split': 'test', 'batch_eval': 16}
+FEWSHOT_AT_END = {'fewshot.datasets': "('fashion_mnist_embedded',)", 'fewshot.shots': '(1,5)',
+                  'fewshot.seeds': 1, 'fewshot.train_split': 'train[:500]',
+                  'fewshot.num_test': 200}
+
+
+@pytest.mark.parametrize('during, overrides', [
+    ('step 10: checkpoint -> ', LONG_FINAL_EVALUATION),
+    ('step 10: test accuracy ', {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]',
+                                 **FEWSHOT_AT_END})], ids=['evaluation', 'few-shot'])
+def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_evaluates(
+    tmp_path, during, overrides):
+  run = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
+  run.wait_for(lambda: during in run.log, repr(during))
+  run.process.send_signal(signal.SIGTERM)
+  sent = time.monotonic()
+  assert run.finish() == 0, run.log
+  assert time.monotonic() - sent < 10, run.log  # Not the evaluation's own end.
+  assert ('SIGTERM during the evaluation of step 10: stopping it now, with the checkpoint of '
+          'step 10; a rerun only evaluates it.') in run.log, run.log
+  assert 'Stopped at step 10 and wrote its checkpoint. To resume: ' in run.log
+  assert os.listdir(tmp_path / 'checkpoints') == ['10']
+  assert not (tmp_path / 'model.npz').exists()
+
+  rerun = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
+  assert rerun.finish() == 0, rerun.log
+  assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
+  assert ('fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
+  assert checkpoint.load(tmp_path / 'model.npz')

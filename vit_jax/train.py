@@ -4,6 +4,7 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
+import contextlib
 import functools
 import json
 import logging
@@ -396,11 +397,22 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
       [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
+  fewshot_eval = functools.partial(evaluate_fewshot, model, config=config, mesh=mesh)
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
-    return state, with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
+    preemption = PreemptionWatcher()
+    try:
+      with preemption.stops_evaluation():
+        metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
                            state)
+        if config.fewshot.datasets:
+          metrics.update(with_ema(fewshot_eval, state))
+      return state, metrics
+    except EvaluationStopped as e:
+      return state, stop_evaluation(e, int(state.step), final=True)
+    finally:
+      preemption.close()
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
@@ -412,8 +424,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   preemption = PreemptionWatcher()
   try:
     return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops,
-                     functools.partial(evaluate_fewshot, model, config=config, mesh=mesh))
+                     preemption, flops_per_image / peak_flops, fewshot_eval)
   finally:
     preemption.close()
     writer.flush()
@@ -466,30 +477,27 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
       preempted = preemption.reached(step)
-      if preempted or step % config.checkpoint_every == 0 or step == config.total_steps:
+      checkpointed = (preempted or step % config.checkpoint_every == 0
+                      or step == config.total_steps)
+      if checkpointed:
         check_finite(step, metrics)
         checkpoints.save(state, train_iter.get_state())
       if preempted:
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
                         preemption.signal_name or 'SIGTERM')
         return state, {**last_metrics, 'preempted_at_step': step}
-      for split in evaluations_due(config, step):
-        eval_start = time.perf_counter()
-        eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
-                                                  split=split), state)
-        writer.write_scalars(step, eval_metrics)
-        logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
-        last_metrics.update(eval_metrics)
-        timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
-      if fewshot_due(config, step):
-        eval_start = time.perf_counter()
-        fewshot_metrics = with_ema(fewshot_eval, state)
-        writer.write_scalars(step, fewshot_metrics)
-        logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
-            f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
-                     time.perf_counter() - eval_start)
-        last_metrics.update(fewshot_metrics)
-        timer_start += time.perf_counter() - eval_start
+      eval_start = time.perf_counter()
+      try:
+        with preemption.stops_evaluation():
+          last_metrics.update(evaluate_due(config, step, state, eval_step, fewshot_eval, mesh,
+                                           writer))
+      except EvaluationStopped as e:
+        if not checkpointed:
+          check_finite(step, metrics)
+          checkpoints.save(state, train_iter.get_state())
+        return state, {**last_metrics,
+                       **stop_evaluation(e, step, final=step == config.total_steps)}
+      timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
     checkpoints.confirm(wait=True)  # The final save: should it fail, `state` is still here.
   except NonFiniteError as e:
     raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
@@ -499,6 +507,37 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
       e.final_state = state
     raise
   return state, last_metrics
+
+
+def evaluate_due(config, step: int, state: TrainState, eval_step, fewshot_eval, mesh: Mesh,
+                 writer) -> dict[str, float]:
+  """Runs the evaluations due after `step` (`evaluations_due`, `fewshot_due`) of `state`, logs
+  them and writes them to `writer`; returns their metrics."""
+  metrics = {}
+  for split in evaluations_due(config, step):
+    eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
+                                              split=split), state)
+    writer.write_scalars(step, eval_metrics)
+    logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
+    metrics.update(eval_metrics)
+  if fewshot_due(config, step):
+    eval_start = time.perf_counter()
+    fewshot_metrics = with_ema(fewshot_eval, state)
+    writer.write_scalars(step, fewshot_metrics)
+    logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
+        f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
+                 time.perf_counter() - eval_start)
+    metrics.update(fewshot_metrics)
+  return metrics
+
+
+def stop_evaluation(stopped: 'EvaluationStopped', step: int, final: bool) -> dict[str, int]:
+  """Logs the stop of the evaluation of `step`, whose checkpoint is saved; returns the metrics
+  of a preemption at `step`."""
+  rerun = 'only evaluates it' if final else 'resumes after it, without this evaluation'
+  logging.warning('%s during the evaluation of step %d: stopping it now, with the checkpoint '
+                  'of step %d; a rerun %s.', stopped.signal_name, step, step, rerun)
+  return {'preempted_at_step': step}
 
 
 def offer_finite_checkpoint(checkpoints: Checkpoints, bad_step: int,
@@ -528,16 +567,29 @@ def check_finite(step: int, metrics: dict) -> None:
         'stopped without checkpointing that state.', step)
 
 
+class EvaluationStopped(Exception):
+  """A SIGTERM or SIGINT came during an evaluation (PreemptionWatcher.stops_evaluation)."""
+
+  def __init__(self, signal_name: str):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
+
+
+STOP_REPEAT_S = 0.2  # How often a stopped evaluation is told again (PreemptionWatcher).
+
+
 class PreemptionWatcher:
   """Notices SIGTERM (how TPU VMs and cluster schedulers announce a preemption) and Ctrl-C.
 
   With one process a handler of SIGTERM and SIGINT sets a flag, and a second SIGINT stops at
-  once (KeyboardInterrupt); with several, JAX's distributed runtime (which listens for SIGTERM)
-  makes every process agree on the same step to stop at.
+  once (KeyboardInterrupt); inside `stops_evaluation` either stops at once. With several,
+  JAX's distributed runtime (which listens for SIGTERM) makes every process agree on the same
+  step to stop at.
   """
 
   def __init__(self):
     self.signal_name = None
+    self._evaluating = False
     self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       for signum in (signal.SIGTERM, signal.SIGINT):
@@ -548,9 +600,38 @@ class PreemptionWatcher:
     if signum == signal.SIGINT and self.signal_name == 'SIGINT':
       raise KeyboardInterrupt
     self.signal_name = signal.Signals(signum).name
+    self._stop_evaluation()
     if signum == signal.SIGINT:
       logging.warning('Ctrl-C: stopping after this step with a checkpoint; press it again to '
                       'stop at once.')
+
+  def _stop_evaluation(self, *_) -> None:
+    """Raises EvaluationStopped inside `stops_evaluation`, and again every STOP_REPEAT_S
+    seconds (SIGALRM) until the evaluation has stopped: libraries catch exceptions broadly
+    (TensorFlow's AutoGraph, converting a function, logs one and goes on)."""
+    if self._evaluating:
+      signal.setitimer(signal.ITIMER_REAL, STOP_REPEAT_S)
+      raise EvaluationStopped(self.signal_name)
+
+  @contextlib.contextmanager
+  def stops_evaluation(self):
+    """Inside, a SIGTERM or SIGINT (also one already received) stops the evaluation at once
+    (EvaluationStopped): it runs after its step's checkpoint was started, so stopping it loses
+    nothing a rerun cannot redo, and a preemption's grace period is often shorter than an
+    evaluation of a large test set. Only where the signal handlers are installed."""
+    if not self._previous:
+      yield
+      return
+    self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM,
+                                                            self._stop_evaluation))
+    self._evaluating = True
+    try:
+      if self.signal_name is not None:
+        self._stop_evaluation()
+      yield
+    finally:
+      self._evaluating = False
+      signal.setitimer(signal.ITIMER_REAL, 0)
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:
