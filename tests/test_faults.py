@@ -1,5 +1,6 @@
 """Faults during a run, as an operator meets them: a file system that fills to the byte, a
-SIGTERM during the final evaluation, training images changed between a run and its resume.
+SIGTERM during the final evaluation, training images changed between a run and its resume, a
+process of a two-process run that dies.
 
 Each test runs the command a user types in a subprocess, with the device count it picks for
 itself (helpers.xla_flags(None)).
@@ -24,8 +25,10 @@ import pytest
 
 from helpers import xla_flags
 from test_main import MainProcess
+from test_main import free_port
 from test_main import run_main
 from vit_jax import checkpoint
+from vit_jax import heartbeats
 from vit_jax import input_pipeline_sources
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
@@ -215,3 +218,30 @@ def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_r
   status, log = run_main(tmp_path / 'run', longer, env=ONE_DEVICE_PER_CORE)
   assert status == 0, log
   assert 'Resuming from step 10 of ' in log
+
+
+def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
+    tmp_path):
+  address = f'127.0.0.1:{free_port()}'
+  overrides = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
+               'progress_every': 10}
+  runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
+                      '--num_processes=2', f'--process_id={i}', env=ONE_DEVICE_PER_CORE)
+          for i in range(2)]
+  runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
+  runs[1].process.kill()  # As a host that dies: no goodbye.
+  killed = time.monotonic()
+  assert runs[0].finish() == 1, runs[0].log
+  runs[1].finish()
+  # Sooner than JAX's own heartbeat timeout (100 s), after which it aborts from C++.
+  assert time.monotonic() - killed < heartbeats.GONE_AFTER_S + 20, runs[0].log
+  last = runs[0].log.strip().splitlines()[-1]
+  assert re.fullmatch(
+      r'Process error: process 1 of 2 sent no heartbeat for [0-9]+ s: it was killed, or its '
+      r'host died or hangs\. Stopped process 0 too; the last complete checkpoint is step '
+      r'[0-9]+\. To resume from it, start all 2 processes again with their commands, this '
+      r'one: python -m vit_jax\.main .*--process_id=0 --workdir=' + re.escape(str(tmp_path)),
+      last), runs[0].log
+  assert 'Traceback' not in runs[0].log and 'Fatal Python error' not in runs[0].log
+  step = int(re.search(r'checkpoint is step ([0-9]+)', last)[1])
+  assert str(step) in os.listdir(tmp_path / 'checkpoints')
