@@ -608,7 +608,7 @@ class PreemptionWatcher:
   def _stop_evaluation(self, *_) -> None:
     """Raises EvaluationStopped inside `stops_evaluation`, and again every STOP_REPEAT_S
     seconds (SIGALRM) until the evaluation has stopped: libraries catch exceptions broadly
-    (TensorFlow's AutoGraph, converting a function, logs one and goes on)."""
+    (TensorFlow's AutoGraph, converting a function, may log one and go on)."""
     if self._evaluating:
       signal.setitimer(signal.ITIMER_REAL, STOP_REPEAT_S)
       raise EvaluationStopped(self.signal_name)
@@ -629,6 +629,11 @@ class PreemptionWatcher:
       if self.signal_name is not None:
         self._stop_evaluation()
       yield
+    except Exception as e:  # pylint: disable=broad-except
+      if self.signal_name is None or isinstance(e, EvaluationStopped):
+        raise
+      # Ours, wrapped by a library (AutoGraph re-raises it as a StagingError).
+      raise EvaluationStopped(self.signal_name) from None
     finally:
       self._evaluating = False
       signal.setitimer(signal.ITIMER_REAL, 0)
