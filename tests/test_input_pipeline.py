@@ -7,6 +7,7 @@ import collections
 import json
 import logging
 import os
+import re
 import shutil
 
 import jax
@@ -272,8 +273,10 @@ def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
   assert first['image'].sharding == NamedSharding(mesh, P('data'))
   next(iterator)
   state = json.loads(json.dumps(iterator.get_state()))
-  assert state == {'step': 2, 'dataset': ip.EMBEDDED_DATASET, 'train_split': 'train[:40]',
-                   'seed': 0, 'batch': 16}  # No process count: any number of processes resumes.
+  assert {k: v for k, v in state.items() if k != 'data'} == {
+      'step': 2, 'dataset': ip.EMBEDDED_DATASET, 'train_split': 'train[:40]', 'seed': 0,
+      'batch': 16}  # No process count: any number of processes resumes.
+  assert state['data']['examples'] == 40
   expected = take(iterator, 2)
   resumed = take(ip.restore_train_iterator(config, mesh, state), 2)
   for a, b in zip(expected, resumed):
@@ -289,6 +292,39 @@ def test_tfds_iterator_state_records_the_process_count(mesh, tfds_config_factory
   assert state['process_count'] == 1
   with pytest.raises(ValueError, match='process_count: saved 2, now 1'):
     ip.restore_train_iterator(config, mesh, {**state, 'process_count': 2})
+
+
+def test_a_resume_with_other_data_is_refused_unless_asked_for_and_old_states_resume(
+    mesh, tmp_path, caplog):
+  write_folder(tmp_path, 'train', 4)
+  config = make_config(dataset=str(tmp_path), batch=8)
+  state = ip.get_train_iterator(config, mesh).get_state()
+  assert state['data']['examples'] == 12
+  (tmp_path / 'train' / 'coat' / '0.png').write_bytes(b'not an image')
+  skipping = make_config(dataset=str(tmp_path), batch=8, skip_bad_images=True)
+  with pytest.raises(ValueError, match=re.escape(
+      f"{tmp_path} split 'train' now has 11 examples (12 examples when saved) "
+      '(config.skip_bad_images drops the files that do not decode), so its order would not be '
+      'the one trained on. Restore the data as it was, set --config.resume_changed_data=True')):
+    ip.restore_train_iterator(skipping, mesh, state)
+
+  skipping.resume_changed_data = True
+  with caplog.at_level(logging.WARNING):
+    next(ip.restore_train_iterator(skipping, mesh, state))
+  assert 'resuming in a new order, no longer exact (config.resume_changed_data)' in caplog.text
+  old = {k: v for k, v in state.items() if k != 'data'}  # Saved before fingerprints.
+  next(ip.restore_train_iterator(skipping.copy_and_resolve_references(), mesh, old))
+
+
+def test_a_resume_on_another_version_of_a_tfds_dataset_names_it(mesh, tfds_config_factory):
+  config = tfds_config_factory(batch=16)
+  state = ip.get_train_iterator(config, mesh).get_state()
+  assert state['data'] == {'version': '1.0.0', 'examples': {'train': 120}}
+  older = {**state, 'data': {'version': '0.9.0', 'examples': {'train': 200}}}
+  with pytest.raises(ValueError, match=re.escape(
+      "now has split sizes {'train': 120} (split sizes {'train': 200} when saved), tfds "
+      'version 1.0.0 (tfds version 0.9.0 when saved), so its order')):
+    ip.restore_train_iterator(config, mesh, older)
 
 
 def test_eval_iterator_yields_every_test_example_once(mesh):

@@ -26,11 +26,13 @@ imported only then. Every error is a `FileNotFoundError` or a `CheckpointError` 
 whose message is one line naming the file, or the parameter path with both shapes.
 """
 import argparse
+import errno
 import io
 import json
 import logging
 import math
 import os
+import shutil
 import sys
 import zipfile
 import zlib
@@ -253,6 +255,26 @@ def save(params: Params, path, *, linen_names: bool = False, spec: Optional[dict
     if os.path.exists(path + '.tmp'):
       os.remove(path + '.tmp')
     raise
+
+
+def free_space(path: str) -> str:
+  """The free space of the file system holding `path` (or its nearest existing parent), in
+  readable units: '0 bytes', '220 KiB', '4.9 MiB', '12.30 GiB'."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  free = shutil.disk_usage(path).free
+  for unit, size, digits in (('GiB', 2**30, 2), ('MiB', 2**20, 1), ('KiB', 2**10, 0)):
+    if free >= size:
+      return f'{free / size:.{digits}f} {unit}'
+  return f'{free} bytes'
+
+
+def is_out_of_space(error: BaseException) -> bool:
+  """Whether `error` (an OSError, or a library's own error: safetensors', TensorFlow's,
+  TensorStore's) says that the file system is full."""
+  return ((isinstance(error, OSError) and error.errno == errno.ENOSPC)
+          or 'No space left on device' in str(error))
 
 
 def model_overrides_path(path: str) -> str:

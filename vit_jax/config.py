@@ -29,6 +29,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.test_split = 'test'
   config.val_split = ml_collections.FieldReference(None, field_type=str)  # Minival.
   config.skip_bad_images = False
+  config.resume_changed_data = False
   config.shuffle_buffer = 50_000
   config.prefetch = 2
   config.pp = ml_collections.ConfigDict({
@@ -133,6 +134,9 @@ FIELD_HELP = {
                  'train_split); None: none.',
     'skip_bad_images': 'Image folders: skip (and count) files that do not decode, instead of '
                        'stopping.',
+    'resume_changed_data': 'Resume from a checkpoint whose training data changed since (the '
+                           'file list, the tfds version or split sizes) in a new order; by '
+                           'default such a resume is refused.',
     'shuffle_buffer': 'tfds datasets: records in the shuffle buffer.',
     'prefetch': 'Batches prepared ahead of the step.',
     'pp.crop': 'Model resolution in pixels (a multiple of the patch size).',

@@ -254,14 +254,22 @@ def default_out(checkpoint_path: str, format_name: str) -> str:
 
 def export(model, params, image_size: int, format_name: str, out: str,
            labels: list[str]) -> None:
-  """Writes `out` in a temporary directory beside it, and renames it there once complete."""
+  """Writes `out` in a temporary directory beside it, and renames it there once complete; a
+  full disk is an OSError of one line, and leaves nothing behind."""
   check_exportable(model, format_name)
   parent = os.path.dirname(os.path.abspath(out))
   os.makedirs(parent, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=parent, prefix='.export-') as tmp_dir:
-    tmp = os.path.join(tmp_dir, os.path.basename(out))
-    WRITERS[format_name](model, params, image_size, tmp, labels)
-    os.replace(tmp, out)
+  try:
+    with tempfile.TemporaryDirectory(dir=parent, prefix='.export-') as tmp_dir:
+      tmp = os.path.join(tmp_dir, os.path.basename(out))
+      WRITERS[format_name](model, params, image_size, tmp, labels)
+      os.replace(tmp, out)
+  except Exception as e:  # pylint: disable=broad-except  (safetensors' and TensorFlow's errors)
+    if not checkpoint.is_out_of_space(e):
+      raise
+    raise OSError(f'Writing {out} failed (No space left on device); '
+                  f'{checkpoint.free_space(parent)} free there: free some space, or pass '
+                  'another --out.') from None
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

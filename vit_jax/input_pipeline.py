@@ -32,6 +32,7 @@ int32 class indices (the loss takes them as they are, or one-hot via
 """
 import collections
 import dataclasses
+import logging
 import math
 from typing import Any, Iterator
 
@@ -362,6 +363,7 @@ class TrainIterator:
                                   process_count=jax.process_count(), start_step=start_step)
     self._batches = prefetch_to_mesh(local_batches, sharding, config.get('prefetch', 2))
     self._order = _order_settings(config)
+    self._data = sources.get_source(config).fingerprint(config.train_split)
     self._step = start_step
 
   def __iter__(self):
@@ -373,11 +375,13 @@ class TrainIterator:
     return batch
 
   def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable: the next step and the settings the order depends on.
+    """JSON-serialisable: the next step, the settings the order depends on and the data's
+    fingerprint (the source's `fingerprint` of the train split).
 
-    `{'step', 'dataset', 'train_split', 'seed', 'batch'}`, plus `'process_count'` for tfds.
+    `{'step', 'dataset', 'train_split', 'seed', 'batch', 'data'}`, plus `'process_count'` for
+    tfds.
     """
-    return {'step': self._step, **self._order}
+    return {'step': self._step, **self._order, 'data': self._data}
 
 
 def get_train_iterator(config, mesh: jax.sharding.Mesh, *, start_step: int = 0) -> TrainIterator:
@@ -397,7 +401,35 @@ def restore_train_iterator(config, mesh: jax.sharding.Mesh,
     raise ValueError(
         f'Cannot resume the training data order: {"; ".join(changed)}. Run with the saved '
         'values, or use another --workdir to start afresh.')
-  return TrainIterator(config, mesh, state['step'])
+  train_iter = TrainIterator(config, mesh, state['step'])
+  if 'data' in state and (changes := data_changes(state['data'], train_iter.get_state()['data'])):
+    skipping = (' (config.skip_bad_images drops the files that do not decode)'
+                if config.get('skip_bad_images') else '')
+    what = (f'The training data changed since the checkpoint of step {state["step"]}: '
+            f'{config.dataset} split {config.train_split!r} now has {changes}{skipping}')
+    if not config.get('resume_changed_data'):
+      raise ValueError(
+          f'{what}, so its order would not be the one trained on. Restore the data as it was, '
+          'set --config.resume_changed_data=True to resume in a new order (no longer exact), '
+          'or use another --workdir to start afresh.')
+    logging.warning('%s: resuming in a new order, no longer exact '
+                    '(config.resume_changed_data).', what)
+  return train_iter
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
+  """How the data's fingerprint `now` differs from the `saved` one, e.g. '199 examples (200
+  when saved)' or 'other examples, as many as when saved'; '' where they agree."""
+  if saved == now:
+    return ''
+  def told(key, value):  # Examples: a count, or tfds's {split: count}.
+    if key == 'version':
+      return f'tfds version {value}'
+    return f'{value} examples' if isinstance(value, int) else f'split sizes {value}'
+
+  changes = [f'{told(key, now.get(key))} ({told(key, saved.get(key))} when saved)'
+             for key in ('examples', 'version') if saved.get(key) != now.get(key)]
+  return ', '.join(changes) or 'other examples, as many as when saved'
 
 
 def get_eval_iterator(config, mesh: jax.sharding.Mesh) -> Iterator[Batch]:

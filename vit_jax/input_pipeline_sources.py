@@ -11,6 +11,7 @@ buffer. `input_pipeline.py` turns shards into preprocessed batches.
 import collections
 import dataclasses
 import functools
+import hashlib
 import os
 import re
 import types
@@ -99,6 +100,17 @@ class ArraySource:
 
   def num_examples(self, split: str) -> int:
     return len(self.select(split)[1])
+
+  def fingerprint(self, split: str) -> dict:
+    """JSON: what the order of `split` depends on, {'examples': n, 'sha256': of its items and
+    labels} (a folder's: the file list, relative to the folder, and the labels)."""
+    items, labels = self.select(split)
+    digest = hashlib.sha256(labels.tobytes())
+    digest.update(self._item_bytes(items))
+    return {'examples': len(labels), 'sha256': digest.hexdigest()}
+
+  def _item_bytes(self, items: np.ndarray) -> bytes:
+    return items.tobytes()
 
   def shard_sizes(self, split: str, process_count: int) -> list[int]:
     """Number of examples in the share of each process."""
@@ -276,6 +288,10 @@ class FolderSource(ArraySource):
 
     super().__init__(directory, train_classes, load_split, decode_image_file)
 
+  def _item_bytes(self, items: np.ndarray) -> bytes:
+    start = len(os.path.join(self.name, ''))  # The folder may move; its files are the data.
+    return '\n'.join(str(path)[start:] for path in items).encode('utf-8', 'surrogateescape')
+
   def check_decodable(self, split: str) -> None:
     """Raises the `decode_error` of `split` if an image of it does not decode, unless
     config.skip_bad_images has dropped them (then all do)."""
@@ -340,6 +356,13 @@ class TfdsSource:
     except (KeyError, ValueError) as e:
       raise ValueError(f'Bad split {split!r} for tfds dataset {self.name!r} (splits: '
                        f'{list(self._builder.info.splits)}): {e}') from None
+
+  def fingerprint(self, split: str) -> dict:
+    """JSON: what the order of `split` depends on, {'version': the prepared dataset's,
+    'examples': {split name: size} of the splits it reads}."""
+    self.num_examples(split)  # Validates the split string.
+    return {'version': str(self._builder.info.version),
+            'examples': {name: self.num_examples(name) for name in split_names(split)}}
 
   def shard_sizes(self, split: str, process_count: int) -> list[int]:
     """Number of examples in the share of each process."""

@@ -27,6 +27,7 @@ from ml_collections import config_flags
 from vit_jax import config as default_config
 from vit_jax import console
 from vit_jax import hardware
+from vit_jax import heartbeats
 from vit_jax import validation
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
@@ -121,6 +122,29 @@ def initialize_distributed() -> bool:
   else:
     return False
   return True
+
+
+def last_checkpoint(workdir: str) -> str:
+  """'step N' of the newest complete checkpoint in WORKDIR/checkpoints, or 'none'."""
+  directory = os.path.join(workdir, 'checkpoints')
+  steps = [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
+  return f'step {max(steps)}' if steps else 'none'
+
+
+def exit_for_gone_process(workdir: str, process: int, seconds: float) -> None:
+  """heartbeats.PeerWatch's `on_gone`: says in one line which process is gone and how to
+  resume, and ends this process at once (its collectives would wait for the gone one until
+  JAX's runtime aborts it)."""
+  for handler in logging.getLogger().handlers:
+    handler.flush()
+  sys.stderr.write(
+      f'Process error: process {process} of {jax.process_count()} sent no heartbeat for '
+      f'{seconds:.0f} s: it was killed, or its host died or hangs. Stopped process '
+      f'{jax.process_index()} too; the last complete checkpoint is {last_checkpoint(workdir)}. '
+      f'To resume from it, start all {jax.process_count()} processes again with their '
+      f'commands, this one: {resume_command(workdir)}\n')
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
 
 
 def define_config_flag() -> None:
@@ -258,6 +282,8 @@ def main(argv):
     from vit_jax import input_pipeline_sources
     from vit_jax import train  # It imports TensorFlow.
     from vit_jax import train_checkpoints
+  peers = (heartbeats.PeerWatch(functools.partial(exit_for_gone_process, workdir)).start()
+           if jax.process_count() > 1 else None)
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:
@@ -271,7 +297,13 @@ def main(argv):
   except KeyboardInterrupt:
     sys.exit(f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
              f'{resume_command(workdir)}')
+  except Exception:  # E.g. a collective's "Connection reset by peer": a process may be gone.
+    if peers:
+      peers.wait_for_gone()
+    raise
   finally:
+    if peers:  # Done, or an error this process reports itself: the others need not wait.
+      peers.stop()
     if lock:
       release_workdir(lock)
   if 'preempted_at_step' in metrics:

@@ -4,6 +4,7 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
+import contextlib
 import functools
 import json
 import logging
@@ -34,7 +35,7 @@ from vit_jax import registry
 from vit_jax.errors import ConfigError
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
-from vit_jax.train_checkpoints import Checkpoints
+from vit_jax.train_checkpoints import Checkpoints, CheckpointSaveError
 from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
 from vit_jax.train_step import jit_train_step, make_optimizer
 from vit_jax.validation import data_parallel_size, mesh_error, pretrained_file
@@ -364,11 +365,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
                                 checkpoints)
+  except CheckpointSaveError as e:
+    if e.final_state is None:
+      raise
+    saved = export_after_failed_save(e.final_state, model, config, workdir)
+    raise CheckpointSaveError(f'{e} {saved}', e.step) from None
   finally:
     checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
-    export(state, model, config, workdir)
+    try:
+      export(state, model, config, workdir)
+    except CheckpointSaveError as e:
+      raise CheckpointSaveError(
+          f'{e} The checkpoint of step {int(state.step)} is complete: free some space and run '
+          'the same command again to write the file.', e.step) from None
   return last_metrics
+
+
+def export_after_failed_save(state: TrainState, model, config, workdir: str) -> str:
+  """Writes model.npz of the final `state` whose checkpoint failed; says whether it could."""
+  try:
+    export(state, model, config, workdir)
+  except CheckpointSaveError as e:
+    return f'{e} Free some space and run the same command again.'
+  return (f'The final params are in {os.path.join(workdir, checkpoint.WORKDIR_MODEL)}; free some '
+          'space and run the same command again for the final checkpoint.')
 
 
 def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -383,7 +404,13 @@ def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir:
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-      checkpoint.save(params, os.path.join(workdir, name), spec=spec)
+      path = os.path.join(workdir, name)
+      try:
+        checkpoint.save(params, path, spec=spec)
+      except OSError as e:  # A full disk: one line, and no partial file (save removes it).
+        raise CheckpointSaveError(
+            f'Writing the final {what} to {path} failed ({e.strerror or e}); '
+            f'{checkpoint.free_space(path)} free there.', int(state.step)) from None
       logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
@@ -399,11 +426,22 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
       [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
+  fewshot_eval = functools.partial(evaluate_fewshot, model, config=config, mesh=mesh)
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
-    return state, with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
+    preemption = PreemptionWatcher()
+    try:
+      with preemption.stops_evaluation():
+        metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
                            state)
+        if config.fewshot.datasets:
+          metrics.update(with_ema(fewshot_eval, state))
+      return state, metrics
+    except EvaluationStopped as e:
+      return state, stop_evaluation(e, int(state.step), final=True)
+    finally:
+      preemption.close()
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
@@ -415,8 +453,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   preemption = PreemptionWatcher()
   try:
     return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops,
-                     functools.partial(evaluate_fewshot, model, config=config, mesh=mesh))
+                     preemption, flops_per_image / peak_flops, fewshot_eval)
   finally:
     preemption.close()
     writer.flush()
@@ -469,34 +506,67 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
       preempted = preemption.reached(step)
-      if preempted or step % config.checkpoint_every == 0 or step == config.total_steps:
+      checkpointed = (preempted or step % config.checkpoint_every == 0
+                      or step == config.total_steps)
+      if checkpointed:
         check_finite(step, metrics)
         checkpoints.save(state, train_iter.get_state())
       if preempted:
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
                         preemption.signal_name or 'SIGTERM')
         return state, {**last_metrics, 'preempted_at_step': step}
-      for split in evaluations_due(config, step):
-        eval_start = time.perf_counter()
-        eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
-                                                  split=split), state)
-        writer.write_scalars(step, eval_metrics)
-        logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
-        last_metrics.update(eval_metrics)
-        timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
-      if fewshot_due(config, step):
-        eval_start = time.perf_counter()
-        fewshot_metrics = with_ema(fewshot_eval, state)
-        writer.write_scalars(step, fewshot_metrics)
-        logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
-            f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
-                     time.perf_counter() - eval_start)
-        last_metrics.update(fewshot_metrics)
-        timer_start += time.perf_counter() - eval_start
+      eval_start = time.perf_counter()
+      try:
+        with preemption.stops_evaluation():
+          last_metrics.update(evaluate_due(config, step, state, eval_step, fewshot_eval, mesh,
+                                           writer))
+      except EvaluationStopped as e:
+        if not checkpointed:
+          check_finite(step, metrics)
+          checkpoints.save(state, train_iter.get_state())
+        return state, {**last_metrics,
+                       **stop_evaluation(e, step, final=step == config.total_steps)}
+      timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
+    checkpoints.confirm(wait=True)  # The final save: should it fail, `state` is still here.
   except NonFiniteError as e:
     raise NonFiniteError(f'{e} {offer_finite_checkpoint(checkpoints, e.step, logged_losses)}',
                          e.step) from None
+  except CheckpointSaveError as e:
+    if e.step == config.total_steps:  # Training is complete: its params can still be written.
+      e.final_state = state
+    raise
   return state, last_metrics
+
+
+def evaluate_due(config, step: int, state: TrainState, eval_step, fewshot_eval, mesh: Mesh,
+                 writer) -> dict[str, float]:
+  """Runs the evaluations due after `step` (`evaluations_due`, `fewshot_due`) of `state`, logs
+  them and writes them to `writer`; returns their metrics."""
+  metrics = {}
+  for split in evaluations_due(config, step):
+    eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
+                                              split=split), state)
+    writer.write_scalars(step, eval_metrics)
+    logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
+    metrics.update(eval_metrics)
+  if fewshot_due(config, step):
+    eval_start = time.perf_counter()
+    fewshot_metrics = with_ema(fewshot_eval, state)
+    writer.write_scalars(step, fewshot_metrics)
+    logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
+        f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
+                 time.perf_counter() - eval_start)
+    metrics.update(fewshot_metrics)
+  return metrics
+
+
+def stop_evaluation(stopped: 'EvaluationStopped', step: int, final: bool) -> dict[str, int]:
+  """Logs the stop of the evaluation of `step`, whose checkpoint is saved; returns the metrics
+  of a preemption at `step`."""
+  rerun = 'only evaluates it' if final else 'resumes after it, without this evaluation'
+  logging.warning('%s during the evaluation of step %d: stopping it now, with the checkpoint '
+                  'of step %d; a rerun %s.', stopped.signal_name, step, step, rerun)
+  return {'preempted_at_step': step}
 
 
 def offer_finite_checkpoint(checkpoints: Checkpoints, bad_step: int,
@@ -526,16 +596,29 @@ def check_finite(step: int, metrics: dict) -> None:
         'stopped without checkpointing that state.', step)
 
 
+class EvaluationStopped(Exception):
+  """A SIGTERM or SIGINT came during an evaluation (PreemptionWatcher.stops_evaluation)."""
+
+  def __init__(self, signal_name: str):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
+
+
+STOP_REPEAT_S = 0.2  # How often a stopped evaluation is told again (PreemptionWatcher).
+
+
 class PreemptionWatcher:
   """Notices SIGTERM (how TPU VMs and cluster schedulers announce a preemption) and Ctrl-C.
 
   With one process a handler of SIGTERM and SIGINT sets a flag, and a second SIGINT stops at
-  once (KeyboardInterrupt); with several, JAX's distributed runtime (which listens for SIGTERM)
-  makes every process agree on the same step to stop at.
+  once (KeyboardInterrupt); inside `stops_evaluation` either stops at once. With several,
+  JAX's distributed runtime (which listens for SIGTERM) makes every process agree on the same
+  step to stop at.
   """
 
   def __init__(self):
     self.signal_name = None
+    self._evaluating = False
     self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       for signum in (signal.SIGTERM, signal.SIGINT):
@@ -546,9 +629,43 @@ class PreemptionWatcher:
     if signum == signal.SIGINT and self.signal_name == 'SIGINT':
       raise KeyboardInterrupt
     self.signal_name = signal.Signals(signum).name
+    self._stop_evaluation()
     if signum == signal.SIGINT:
       logging.warning('Ctrl-C: stopping after this step with a checkpoint; press it again to '
                       'stop at once.')
+
+  def _stop_evaluation(self, *_) -> None:
+    """Raises EvaluationStopped inside `stops_evaluation`, and again every STOP_REPEAT_S
+    seconds (SIGALRM) until the evaluation has stopped: libraries catch exceptions broadly
+    (TensorFlow's AutoGraph, converting a function, may log one and go on)."""
+    if self._evaluating:
+      signal.setitimer(signal.ITIMER_REAL, STOP_REPEAT_S)
+      raise EvaluationStopped(self.signal_name)
+
+  @contextlib.contextmanager
+  def stops_evaluation(self):
+    """Inside, a SIGTERM or SIGINT (also one already received) stops the evaluation at once
+    (EvaluationStopped): it runs after its step's checkpoint was started, so stopping it loses
+    nothing a rerun cannot redo, and a preemption's grace period is often shorter than an
+    evaluation of a large test set. Only where the signal handlers are installed."""
+    if not self._previous:
+      yield
+      return
+    self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM,
+                                                            self._stop_evaluation))
+    self._evaluating = True
+    try:
+      if self.signal_name is not None:
+        self._stop_evaluation()
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if self.signal_name is None or isinstance(e, EvaluationStopped):
+        raise
+      # Ours, wrapped by a library (AutoGraph re-raises it as a StagingError).
+      raise EvaluationStopped(self.signal_name) from None
+    finally:
+      self._evaluating = False
+      signal.setitimer(signal.ITIMER_REAL, 0)
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:

@@ -5,9 +5,11 @@ data iterator's state, so that a resumed run continues exactly. Saves run in the
 are confirmed before older checkpoints are deleted; a failed save is one line
 (CheckpointSaveError); checkpoints that do not restore are set aside, not deleted.
 """
+import atexit
 import gc
 import logging
 import os
+import re
 import shutil
 import time
 import traceback
@@ -17,12 +19,32 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from vit_jax import checkpoint
 from vit_jax.errors import ConfigError
 from vit_jax.train_step import TrainState
 
 
 class CheckpointSaveError(RuntimeError):
-  """A checkpoint save failed; the message is one line: what, where, free space, last good one."""
+  """A checkpoint save failed; the message is one line: what, where, free space, last good one.
+
+  `step` is the step whose save failed; `final_state` the train state of the last step where
+  its save was the one that failed (its params can still be written as model.npz).
+  """
+  final_state = None
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+def _reason(error: BaseException) -> str:
+  """Why `error` failed a save, short: an OSError's strerror ('No space left on device'), else
+  the end of its message's first line (TensorStore's '...: File too large [os_error_code=27]')."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  if code := re.search(r"os_error_code='?([0-9]+)", str(error)):  # TensorStore's.
+    return os.strerror(int(code[1]))
+  return (str(error).strip().splitlines() or [type(error).__name__])[0].rsplit(': ', 1)[-1]
 
 
 def _from_orbax(record: logging.LogRecord) -> bool:
@@ -46,11 +68,7 @@ class _SaveErrorCatcher(logging.Filter):
       return True
     if self.reason is None:
       error = record.exc_info[1] if record.exc_info else None
-      if isinstance(error, OSError) and error.strerror:
-        self.reason = error.strerror
-      else:  # The innermost cause, e.g. TensorStore's '...: File too large [os_error_code=27]'.
-        self.reason = (str(error) if error else record.getMessage()).strip().splitlines()[0]
-        self.reason = self.reason.rsplit(': ', 1)[-1]
+      self.reason = _reason(error or RuntimeError(record.getMessage()))
     return False
 
 
@@ -73,7 +91,8 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
     self._pending = None  # The step of the save not yet confirmed.
-    self._failed = False  # Whether a save failed: its abandoned tasks may log until exit.
+    # The step whose save failed, if one did: its abandoned tasks may log and write until exit.
+    self._failed = None
     self._errors = _SaveErrorCatcher()
     for logger in _ORBAX_LOGGERS:
       logging.getLogger(logger).addFilter(self._errors)
@@ -89,7 +108,7 @@ class Checkpoints:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
     except OSError as e:  # Failed before going to the background (e.g. no space for a folder).
-      self._errors.reason = e.strerror or str(e)
+      self._errors.reason = _reason(e)
       self._fail(step)
     self._pending = step
     logging.info('step %d: checkpoint -> %s', step, os.path.join(self.directory, str(step)))
@@ -104,8 +123,12 @@ class Checkpoints:
     if self._pending is None or (not wait and (jax.process_count() > 1
                                                or self.manager.is_saving_in_progress())):
       return
-    self.manager.wait_until_finished()
     step, self._pending = self._pending, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  (the save's error, from its thread)
+      self._errors.reason = self._errors.reason or _reason(e)
+      self._fail(step)
     self.manager.reload()
     if step not in self.manager.all_steps():
       self._fail(step)
@@ -118,18 +141,37 @@ class Checkpoints:
       self.manager.delete(step)
 
   def _fail(self, step: int):
-    self._failed = True
+    """Stops Orbax's background work, removes the partial save of `step` and raises
+    CheckpointSaveError."""
+    self._failed = step
+    self._close_manager()
     gc.collect()  # Orbax's abandoned tasks log their errors now, while they are filtered.
-    for name in os.listdir(self.directory):  # Orbax names unfinished saves STEP.orbax-...-tmp.
-      if name.startswith(f'{step}.') and jax.process_index() == 0:
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self._remove_partial(step)
+    # Orbax's close stops at the save's error, so its other threads may still write; the
+    # interpreter joins them at exit, before the atexit functions run.
+    atexit.register(self._remove_partial, step)
     self.manager.reload()
     last = self.manager.latest_step()
     reason, self._errors.reason = self._errors.reason or 'no finished checkpoint appeared', None
     raise CheckpointSaveError(
         f'Saving the checkpoint of step {step} to {self.directory} failed ({reason}); '
-        f'{shutil.disk_usage(self.directory).free / 2**30:.2f} GiB free there; the last good '
-        f'checkpoint is {f"step {last}" if last is not None else "none"}.')
+        f'{checkpoint.free_space(self.directory)} free there; the last good checkpoint is '
+        f'{f"step {last}" if last is not None else "none"}.', step)
+
+  def _remove_partial(self, step: int) -> None:
+    """Removes the unfinished save of `step` (Orbax names it STEP.orbax-checkpoint-tmp)."""
+    for name in os.listdir(self.directory):
+      if name.startswith(f'{step}.') and jax.process_index() == 0:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  def _close_manager(self) -> None:
+    """Closes the Orbax manager; after a failed save, its error (raised again by every
+    close) is already reported."""
+    try:
+      self.manager.close()
+    except Exception:  # pylint: disable=broad-except
+      if self._failed is None:
+        raise
 
   def restore(self, state: TrainState, shardings: TrainState) -> tuple[TrainState, dict] | None:
     """(state, data-iterator state) of the newest checkpoint that restores, placed with
@@ -187,8 +229,8 @@ class Checkpoints:
     try:
       self.confirm(wait=True)
     finally:
-      self.manager.close()
-      if not self._failed:  # Else the failed save's tasks may yet log their errors, up to exit.
+      self._close_manager()
+      if self._failed is None:  # Else the failed save's tasks may yet log errors, up to exit.
         for logger in _ORBAX_LOGGERS:
           logging.getLogger(logger).removeFilter(self._errors)
 

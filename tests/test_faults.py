@@ -1,0 +1,247 @@
+"""Faults during a run, as an operator meets them: a file system that fills to the byte, a
+SIGTERM during the final evaluation, training images changed between a run and its resume, a
+process of a two-process run that dies.
+
+Each test runs the command a user types in a subprocess, with the device count it picks for
+itself (helpers.xla_flags(None)).
+
+A full disk is a real one: a small tmpfs mounted for the test (`mount -t tmpfs -o size=...`, which
+needs root), filled to its last byte by a file of zeros. A file-size limit (RLIMIT_FSIZE) fails
+writes with another error (EFBIG) and leaves the file system's free space as it was, so it does
+not show what a full disk does to Orbax, TensorStore, numpy or safetensors. Where mounting is not
+permitted, these tests skip and say so.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+from PIL import Image
+import pytest
+
+from helpers import xla_flags
+from test_main import MainProcess
+from test_main import free_port
+from test_main import run_main
+from vit_jax import checkpoint
+from vit_jax import heartbeats
+from vit_jax import input_pipeline_sources
+
+# Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
+FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
+                 'progress_every': 5, 'keep_checkpoints': 5}
+ONE_DEVICE_PER_CORE = {'XLA_FLAGS': xla_flags(None)}  # As a user's process: no harness count.
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """An 8 MiB tmpfs mounted at tmp_path/disk; skips where mounting is not permitted."""
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=8m', 'tmpfs', str(disk)],
+                           capture_output=True, text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f'mounting a tmpfs is not permitted here: {mounted.stderr.strip()}')
+  try:
+    yield disk
+  finally:
+    subprocess.run(['umount', '-l', str(disk)], check=False)
+
+
+def fill(disk, leave: int = 0) -> None:
+  """Fills the file system of `disk` with a file of zeros until `leave` bytes are free."""
+  with open(disk / f'filler-{uuid.uuid4().hex}', 'wb') as f:
+    try:
+      while (free := os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize) > leave:
+        f.write(bytes(min(free - leave, 1 << 20)))
+        f.flush()
+    except OSError:  # Full to the byte.
+      pass
+
+
+def stopped_after_checkpoint(run, checkpoints, step):
+  """Waits until the checkpoint of `step` is complete, then pauses `run` (SIGSTOP)."""
+  run.wait_for(lambda: (checkpoints / str(step)).exists(), f'the checkpoint of step {step}')
+  run.process.send_signal(signal.SIGSTOP)
+
+
+def error_lines(log):
+  return [line for line in log.splitlines()
+          if line.startswith(('Checkpoint error: ', 'Traceback', 'error: '))]
+
+
+def test_a_disk_full_to_the_byte_mid_run_is_one_line_and_leaves_no_partial_checkpoint(
+    small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, FULL_DISK_RUN, env=ONE_DEVICE_PER_CORE)
+  stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
+  fill(small_disk)
+  run.process.send_signal(signal.SIGCONT)
+  assert run.finish() == 1, run.log
+  errors = error_lines(run.log)
+  assert errors == [errors[0]] and errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
+      '(No space left on device); '), run.log
+  assert errors[0].endswith(' free there; the last good checkpoint is step 10.'), run.log
+  assert 'GiB free' not in errors[0]  # Less than 8 MiB is free: said in bytes or KiB.
+  assert run.log.strip().splitlines()[-1] == errors[0]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']  # The partial save is gone.
+
+
+def test_a_disk_full_at_the_last_checkpoint_still_writes_model_npz(small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 20}, env=ONE_DEVICE_PER_CORE)
+  stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
+  fill(small_disk, leave=150 * 1024)  # Room for model.npz, not for a checkpoint.
+  run.process.send_signal(signal.SIGCONT)
+  assert run.finish() == 1, run.log
+  errors = error_lines(run.log)
+  assert errors == [errors[0]] and errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
+      '(No space left on device); '), run.log
+  assert errors[0].endswith(
+      f'; the last good checkpoint is step 10. The final params are in {workdir}/model.npz; '
+      'free some space and run the same command again for the final checkpoint.'), run.log
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']
+  assert checkpoint.load(workdir / 'model.npz')  # Complete: it loads.
+
+
+def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_file(small_disk):
+  workdir = small_disk / 'run'
+  run = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
+  assert run.finish() == 0, run.log
+  os.remove(workdir / 'model.npz')
+  fill(small_disk, leave=16 * 1024)  # Room for the lock and config.json, not for model.npz.
+  rerun = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
+  assert rerun.finish() == 1, rerun.log
+  assert 'Already trained to step 10 of 10' in rerun.log
+  errors = error_lines(rerun.log)
+  assert errors == [errors[0]] and re.fullmatch(re.escape(
+      f'Checkpoint error: Writing the final params to {workdir}/model.npz failed (No space left '
+      'on device); ') + '[0-9]+ KiB' + re.escape(
+          ' free there. The checkpoint of step 10 is complete: free some space and run the '
+          'same command again to write the file.'), errors[0]), rerun.log
+  assert not [name for name in os.listdir(workdir) if name.startswith('model')]
+
+
+@pytest.mark.parametrize('format_name', ['timm', 'hf', 'saved_model'])
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
+    small_disk, trained_run, format_name):
+  fill(small_disk, leave=16 * 1024)  # Less than the tiny model's 60 KiB of weights.
+  out = small_disk / 'export'
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format',
+       format_name, '--out', str(out)], capture_output=True, text=True, check=False,
+      env={**os.environ, **ONE_DEVICE_PER_CORE})
+  assert result.returncode == 1, result.stderr
+  assert 'Traceback' not in result.stderr
+  assert re.fullmatch(
+      re.escape(f'error: Writing {out} failed (No space left on device); ') + '[0-9]+ KiB'
+      + re.escape(' free there: free some space, or pass another --out.'),
+      result.stderr.strip().splitlines()[-1]), result.stderr
+  assert not [name for name in os.listdir(small_disk) if not name.startswith('filler')]
+
+
+# Ten steps, then an evaluation of all 10,000 test images in 625 batches (several seconds), and
+# with FEWSHOT_AT_END a few-shot evaluation after it.
+LONG_FINAL_EVALUATION = {'total_steps': 10, 'checkpoint_every': 10, 'progress_every': 5,
+                         'eval_every': 10, 'test_split': 'test', 'batch_eval': 16}
+FEWSHOT_AT_END = {'fewshot.datasets': "('fashion_mnist_embedded',)", 'fewshot.shots': '(1,5)',
+                  'fewshot.seeds': 1, 'fewshot.train_split': 'train[:500]',
+                  'fewshot.num_test': 200}
+
+
+@pytest.mark.parametrize('during, overrides', [
+    ('step 10: checkpoint -> ', LONG_FINAL_EVALUATION),
+    ('step 10: test accuracy ', {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]',
+                                 **FEWSHOT_AT_END})], ids=['evaluation', 'few-shot'])
+def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_evaluates(
+    tmp_path, during, overrides):
+  run = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
+  run.wait_for(lambda: during in run.log, repr(during))
+  run.process.send_signal(signal.SIGTERM)
+  sent = time.monotonic()
+  assert run.finish() == 0, run.log
+  assert time.monotonic() - sent < 20, run.log  # Seconds, on a loaded 2-core machine too.
+  assert ('SIGTERM during the evaluation of step 10: stopping it now, with the checkpoint of '
+          'step 10; a rerun only evaluates it.') in run.log, run.log
+  assert 'Stopped at step 10 and wrote its checkpoint. To resume: ' in run.log
+  assert os.listdir(tmp_path / 'checkpoints') == ['10']
+  assert not (tmp_path / 'model.npz').exists()
+
+  rerun = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
+  assert rerun.finish() == 0, rerun.log
+  assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
+  assert ('fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
+  assert checkpoint.load(tmp_path / 'model.npz')
+
+
+def write_image_folder(root, per_class=20):
+  """An image folder of 3 classes of 28x28 PNGs (embedded Fashion-MNIST images): per_class
+  training and 2 test images each."""
+  with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+    images, labels = data['train_images'], data['train_labels']
+  for split, count, start in (('train', per_class, 0), ('test', 2, per_class)):
+    for name, class_id in (('bag', 8), ('coat', 4), ('sandal', 5)):
+      os.makedirs(root / split / name)
+      for i, image in enumerate(images[labels == class_id][start:start + count]):
+        Image.fromarray(image).save(root / split / name / f'{i}.png')
+
+
+def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_restored(
+    tmp_path):
+  data = tmp_path / 'images'
+  write_image_folder(data)
+  run = {'dataset': str(data), 'test_split': 'test', 'total_steps': 10, 'checkpoint_every': 10,
+         'eval_every': 10, 'progress_every': 5}
+  status, log = run_main(tmp_path / 'run', run, env=ONE_DEVICE_PER_CORE)
+  assert status == 0, log
+  removed = data / 'train' / 'coat' / '7.png'
+  kept = removed.read_bytes()
+  removed.unlink()  # Between two runs: the resumed one would see 59 images, not 60.
+
+  longer = {**run, 'total_steps': 20}
+  status, log = run_main(tmp_path / 'run', longer, env=ONE_DEVICE_PER_CORE)
+  assert status == 1, log
+  assert log.strip().splitlines()[-1] == (
+      f'Config error: The training data changed since the checkpoint of step 10: {data} split '
+      "'train' now has 59 examples (60 examples when saved), so its order would not be the "
+      'one trained on. Restore the data as it was, set --config.resume_changed_data=True to '
+      'resume in a new order (no longer exact), or use another --workdir to start afresh.')
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['10']
+
+  removed.write_bytes(kept)
+  status, log = run_main(tmp_path / 'run', longer, env=ONE_DEVICE_PER_CORE)
+  assert status == 0, log
+  assert 'Resuming from step 10 of ' in log
+
+
+def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
+    tmp_path):
+  address = f'127.0.0.1:{free_port()}'
+  overrides = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
+               'progress_every': 10}
+  runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
+                      '--num_processes=2', f'--process_id={i}', env=ONE_DEVICE_PER_CORE)
+          for i in range(2)]
+  runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
+  runs[1].process.kill()  # As a host that dies: no goodbye.
+  killed = time.monotonic()
+  assert runs[0].finish() == 1, runs[0].log
+  runs[1].finish()
+  # Sooner than JAX's own heartbeat timeout (100 s), after which it aborts from C++.
+  assert time.monotonic() - killed < heartbeats.GONE_AFTER_S + 20, runs[0].log
+  last = runs[0].log.strip().splitlines()[-1]
+  assert re.fullmatch(
+      r'Process error: process 1 of 2 sent no heartbeat for [0-9]+ s: it was killed, or its '
+      r'host died or hangs\. Stopped process 0 too; the last complete checkpoint is step '
+      r'[0-9]+\. To resume from it, start all 2 processes again with their commands, this '
+      r'one: python -m vit_jax\.main .*--process_id=0 --workdir=' + re.escape(str(tmp_path)),
+      last), runs[0].log
+  assert 'Traceback' not in runs[0].log and 'Fatal Python error' not in runs[0].log
+  step = int(re.search(r'checkpoint is step ([0-9]+)', last)[1])
+  assert str(step) in os.listdir(tmp_path / 'checkpoints')
