@@ -82,6 +82,11 @@ def get_dataset_info(config) -> DatasetInfo:
   return info
 
 
+def num_examples(config, split: str) -> int:
+  """The number of examples of the split string `split` of config.dataset."""
+  return sources.get_source(config).num_examples(split)
+
+
 # Preprocessing.
 
 

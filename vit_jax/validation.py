@@ -84,7 +84,7 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
             'config.mesh.model leaves) or greater than 0.')
   if config.val_every is not None and config.val_every < 1:
     return f'config.val_every={config.val_every} must be None (eval_every) or greater than 0.'
-  for field in ('every', 'num_test'):
+  for field in ('every', 'num_train', 'num_test'):
     if config.fewshot[field] is not None and config.fewshot[field] < 1:
       return f'config.fewshot.{field}={config.fewshot[field]} must be None or greater than 0.'
   if config.fewshot.datasets and not (config.fewshot.seeds > 0 and config.fewshot.shots and
