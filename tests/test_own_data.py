@@ -86,7 +86,7 @@ def test_a_run_that_sees_each_image_over_100_times_warns_in_one_line(own_run):
   warnings = [line for line in log.splitlines() if 'times' in line]
   assert len(warnings) == 1, log
   assert re.search(r'WARNING: This run sees each of its 30 training images about 128 times '
-                   r'\(30 steps of 128 images\): .* --config=configs/scratch_small\.py:DIR ',
+                   r'\(30 steps of 128 images\), .* --config=configs/scratch_small\.py:DIR ',
                    warnings[0]), warnings
 
 

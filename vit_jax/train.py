@@ -378,8 +378,8 @@ def dataset_line(config: ml_collections.ConfigDict, info: input_pipeline.Dataset
           f'({names}{more}).')
 
 
-# Passes over each training image beyond which a run from scratch gets a warning: it overfits
-# them, and the config was made for more data.
+# Passes over each training image beyond which a run from scratch gets a warning: its config's
+# schedule was made for more data (on 20 images, 900 steps of 128 spend minutes on a flat loss).
 MAX_PASSES = 100
 SMALL_DATA_CONFIG = 'configs/scratch_small.py'
 
@@ -392,11 +392,11 @@ def warn_of_repetition(config: ml_collections.ConfigDict,
   passes = config.total_steps * config.batch / info.num_train
   if passes > MAX_PASSES and not config.pretrained_path:
     logging.warning(
-        'This run sees each of its %s training images about %s times (%s steps of %s images): '
-        'it will overfit them. For a small image folder use --config=%s:DIR (about %d passes, '
-        'with augmentation and regularisation), or lower --config.total_steps.',
-        f'{info.num_train:,}', f'{passes:,.0f}', f'{config.total_steps:,}', config.batch,
-        SMALL_DATA_CONFIG, MAX_PASSES)
+        'This run sees each of its %s training images about %s times (%s steps of %s images), '
+        'a schedule made for more data. For a small image folder, --config=%s:DIR fits the '
+        'schedule to it (about %d passes, with augmentation and regularisation); or lower '
+        '--config.total_steps.', f'{info.num_train:,}', f'{passes:,.0f}',
+        f'{config.total_steps:,}', config.batch, SMALL_DATA_CONFIG, MAX_PASSES)
 
 
 def check_fewshot_model(model) -> None:
