@@ -5,12 +5,13 @@ the resolution (default 64 px, a multiple of 8). A few thousand to a few hundred
 train a ViT poorly without strong augmentation and regularisation ("How to train your ViT?",
 Steiner et al., 2021: on less data, more AugReg), so this preset takes the paper's recipe to
 small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr 1e-3, weight decay
-0.05) with warmup and cosine decay over 100 epochs of batch 128, Inception crops of 25-100% of
-the area, flips, RandAugment (2, 10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing
-0.1 and dropout 0.1 and stochastic depth 0.1. These are
-a starting point, not tuned values: the README's A/B of the default run shows what each costs
-on 28 px Fashion-MNIST.
+0.05) with warmup and cosine decay over 100 epochs of batch 128 (a smaller power of two for a
+folder of fewer images), Inception crops of 25-100% of the area, flips, RandAugment (2, 10) and
+Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and stochastic depth
+0.1. These are a starting point, not tuned values: the README's A/B of the default run shows
+what each costs on 28 px Fashion-MNIST.
 """
+import math
 import os
 
 import ml_collections
@@ -51,8 +52,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.model.transformer.stochastic_depth = 0.1
 
   images = count_images(os.path.join(folder, 'train'))
-  steps_per_epoch = max(images // BATCH, 1)
-  config.batch, config.batch_eval = BATCH, 512
+  # A folder of fewer than BATCH images trains on batches of a power of two that it fills, so
+  # that its 100 epochs stay 100 passes over each image (or fewer), not 100 batches of BATCH.
+  config.batch = min(BATCH, 2 ** int(math.log2(images))) if images else BATCH
+  config.batch_eval = 512
+  steps_per_epoch = max(images // config.batch, 1)
   config.total_steps = EPOCHS * steps_per_epoch if images else STEPS_WITHOUT_FOLDER
   config.warmup_steps = min(WARMUP_EPOCHS * steps_per_epoch, config.total_steps // 10)
   config.optimizer = 'adamw'

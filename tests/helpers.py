@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+from PIL import Image
 
 from vit_jax import analysis
 from vit_jax import model_init
@@ -50,6 +51,22 @@ def tiny_config(**overrides):
   config = tiny_config_file.get_config()
   config.update(overrides)
   return config
+
+
+def write_image_folder(root, per_class: dict[str, int], class_ids=(1, 8)) -> str:
+  """Writes an image folder of the embedded data, `root/<split>/<class name>/<i>.png`, with
+  `per_class[split]` images of each of the classes `class_ids` (default Trouser and Bag), each
+  folder named after its class; returns `root` as a string."""
+  from vit_jax import input_pipeline_sources as sources  # pylint: disable=g-import-not-at-top (TF)
+  with np.load(sources.EMBEDDED_PATH) as data:
+    for split, count in per_class.items():
+      for class_id in class_ids:
+        folder = os.path.join(root, split, str(data['label_names'][class_id]))
+        os.makedirs(folder)
+        images = data[f'{split}_images'][data[f'{split}_labels'] == class_id][:count]
+        for i, image in enumerate(images):
+          Image.fromarray(image).save(os.path.join(folder, f'{i}.png'))
+  return str(root)
 
 
 def xla_flags(devices: int | None) -> str:

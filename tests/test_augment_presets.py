@@ -2,7 +2,9 @@
 (configs/scratch_small.py): they load as `--config=FILE:ARG` does and validate."""
 import pytest
 
+from helpers import write_image_folder
 from vit_jax import main
+from vit_jax import train
 from vit_jax import validation
 
 
@@ -51,6 +53,15 @@ def test_scratch_small_counts_the_folder_for_its_schedule_and_validates(tmp_path
   assert config.total_steps == 100 * (300 // 128)  # 100 epochs of 2 steps.
   assert config.pp.randaug == (2, 10) and config.mixup.p == 0.2
   validation.validate_config(config, 8)
+
+
+def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_over(tmp_path):
+  write_image_folder(tmp_path, {'train': 15, 'test': 5})  # 30 training images.
+  config = load(f'configs/scratch_small.py:{tmp_path},16')
+  # 100 epochs, each one batch of 16 of the 30 images: each seen 53 times, not 100 x 128 / 30.
+  assert (config.batch, config.total_steps) == (16, 100)
+  assert config.total_steps * config.batch / 30 < train.MAX_PASSES  # So no warning.
+  validation.validate_config(config, 2)
 
 
 def test_scratch_small_needs_a_folder():

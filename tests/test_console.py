@@ -17,8 +17,8 @@ from vit_jax import train
 # The quick start on fewer images (batches of 16, evaluations of 100 test images, shots drawn
 # from 400 training images): the same lines, in less time.
 FEWER_IMAGES = ['--config.batch=16', '--config.batch_eval=100', '--config.test_split=test[:100]',
-                '--config.fewshot.num_test=100', '--config.fewshot.train_split=train[:400]']
-MAX_LINES = 12  # Workdir, mesh, model, 1 progress step, 1 evaluation, 1 checkpoint, the end.
+                '--config.fewshot.num_test=100', '--config.fewshot.num_train=400']
+MAX_LINES = 12  # Workdir, dataset, mesh, model, 1 progress step, 1 evaluation, 1 checkpoint, end.
 
 
 def test_quick_start_prints_the_projects_lines_only(tmp_path):

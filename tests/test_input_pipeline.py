@@ -129,6 +129,12 @@ def test_train_batches_have_shapes_ranges_and_labels(config_factory):
     assert set(batch['label']) <= set(range(ip.get_dataset_info(config).num_classes))
 
 
+def test_randaugment_runs_on_the_images_of_every_source(config_factory):
+  # Its ops need the channel count in the static shape, which decoding files left unknown.
+  batch = next(ip.train_batches(config_factory(pp=dict(crop=16, randaug=(2, 10)))))
+  assert batch['image'].shape == (8, 16, 16, 3)
+
+
 def test_embedded_eval_yields_the_stored_test_images_and_labels():
   batches = list(ip.eval_batches(make_config(test_split='test[:20]')))
   images = np.concatenate([b['image'] for b in batches])[:20]

@@ -119,7 +119,7 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
 
 def test_only_the_default_run_evaluates_few_shot():
   from configs import vit
-  assert tuple(defaults.get_config().fewshot.datasets) == ('fashion_mnist_embedded',)
+  assert tuple(defaults.get_config().fewshot.datasets) == (defaults.OWN_DATASET,)
   assert defaults.get_config().fewshot.every is None  # At the end only.
   assert not defaults.training_defaults().fewshot.datasets
   assert not vit.get_config('b16,cifar10').fewshot.datasets

@@ -16,7 +16,8 @@ the layout of the model it is given.
 
 `save` can store the model's spec (`vit_jax.models.model_spec`) inside the archive, under
 SPEC_KEY; `load_model` rebuilds the model from it, or from a registry name for files without
-one, and takes a training workdir for its `model.npz`.
+one, and takes a training workdir for its `model.npz`. A training run's spec also holds its
+dataset's class names (`saved_label_names`).
 
 Wherever a checkpoint path is taken, a published name (`augreg:B/16`, `paper:ViT-B_16`; see
 `vit_jax.published`, or `python -m vit_jax.checkpoint --list`) stands for that file, downloaded
@@ -667,6 +668,16 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
   check_matches(params, models.param_shapes(model, native_image_size(params, model)),
                 source=path)
   return model, params
+
+
+def saved_label_names(path_or_workdir) -> Optional[list[str]]:
+  """The class names, in label order, that a training run saved in the model spec of its
+  model.npz (under 'label_names'); None for files without them: the published files, converted
+  weights, files of versions that did not save them."""
+  if published.is_name(os.fspath(path_or_workdir)):
+    return None  # The published files hold no spec.
+  spec = read_spec(model_path(path_or_workdir))
+  return None if spec is None else spec.get('label_names')
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,6 +13,9 @@ import ml_collections
 
 from vit_jax import registry
 
+# In config.fewshot.datasets: the run's own dataset, config.dataset, whatever it is set to.
+OWN_DATASET = 'config.dataset'
+
 
 def training_defaults() -> ml_collections.ConfigDict:
   """Every config field with its default: ViT-B_16 fine-tuning settings of the paper.
@@ -95,6 +98,7 @@ def training_defaults() -> ml_collections.ConfigDict:
       'datasets': (),  # (): off.
       'shots': (5, 10),
       'every': ml_collections.FieldReference(None, field_type=int),  # None: at the end only.
+      'num_train': ml_collections.FieldReference(None, field_type=int),  # None: the whole split.
       'num_test': ml_collections.FieldReference(None, field_type=int),  # None: the whole split.
       'seeds': 1,
       'train_split': 'train',
@@ -194,12 +198,15 @@ FIELD_HELP = {
     'logical_axis_rules': "(logical axis, 'data' | 'model' | None) rules placed before "
                           "vit_jax.sharding.LOGICAL_AXIS_RULES, e.g. [('mlp', None)].",
     'fewshot.datasets': 'Few-shot linear evaluation during training on these datasets (as '
-                        'config.dataset names them); (): off.',
+                        f"config.dataset names them; {OWN_DATASET!r}: the run's own); (): off.",
     'fewshot.shots': 'Few-shot: the k of k-shot, images per class the regression sees.',
     'fewshot.every': 'Few-shot: evaluate every this many steps, and at the end; None: at the '
                      'end only.',
-    'fewshot.num_test': 'Few-shot: score on the first this many images of fewshot.test_split; '
-                        'None: all.',
+    'fewshot.num_train': 'Few-shot: draw the shots from the first this many images of '
+                         'fewshot.train_split (all where it has fewer; not where it is sliced '
+                         "itself, e.g. 'train[:500]'); None: all.",
+    'fewshot.num_test': 'Few-shot: score on the first this many images of fewshot.test_split '
+                        '(as num_train); None: all.',
     'fewshot.seeds': 'Few-shot: shot choices averaged over.',
     'fewshot.train_split': 'Few-shot: split name the shots (and the held-out images that choose '
                            'the L2) come from.',
@@ -265,6 +272,7 @@ FIELD_RANGES = {
                        special=((-1, 'all the devices that config.mesh.model leaves'),)),
     'mesh.model': POSITIVE_INT,
     'fewshot.every': Range(int, 0, open='low', special=((None, 'at the end only'),)),
+    'fewshot.num_train': Range(int, 0, open='low', special=((None, 'the whole split'),)),
     'fewshot.num_test': Range(int, 0, open='low', special=((None, 'the whole split'),)),
     'fewshot.seeds': POSITIVE_INT,
     'progress_every': POSITIVE_INT,
@@ -291,7 +299,8 @@ def get_config() -> ml_collections.ConfigDict:
   7x7 patches of the 28x28 images (16 tokens and the class token), width 128, 4 blocks of 4
   heads, AdamW with warmup and cosine decay, label smoothing, random flips. Random-area crops
   (the paper's Inception crop) cost accuracy at this resolution and schedule, so they are off.
-  At the end it measures 5- and 10-shot linear accuracy of the representation (config.fewshot).
+  At the end it measures 5- and 10-shot linear accuracy of the representation on its dataset
+  (config.fewshot).
   """
   config = training_defaults()
   config.dataset = 'fashion_mnist_embedded'
@@ -312,10 +321,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.progress_every = 100
   config.eval_every = 450
   config.checkpoint_every = 450
-  # 5- and 10-shot accuracy of the representation at the end: shots drawn from 10,000 training
-  # images, scored on 1,000 test images (README: what it costs).
-  config.fewshot.datasets = ('fashion_mnist_embedded',)
-  config.fewshot.train_split = 'train[:10000]'
+  # 5- and 10-shot accuracy of the representation at the end, on the run's own dataset (with
+  # --config.dataset=DIR, that folder): shots drawn from 10,000 training images, scored on 1,000
+  # test images (README: what it costs).
+  config.fewshot.datasets = (OWN_DATASET,)
+  config.fewshot.num_train = 10_000
   config.fewshot.num_test = 1000
   return config
 

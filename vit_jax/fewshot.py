@@ -246,6 +246,13 @@ def split_labels(config, split: str) -> np.ndarray:
   return np.concatenate(list(labels.as_numpy_iterator()))
 
 
+def class_sizes(config, split: str) -> np.ndarray:
+  """int (K,): the number of images of each class in `split` of config.dataset; reads the
+  labels only."""
+  num_classes = len(sources.get_source(config).label_names)
+  return np.bincount(split_labels(config, split), minlength=num_classes)
+
+
 def selected_images(config, split: str, positions: np.ndarray, batch: int) -> Iterator[np.ndarray]:
   """Preprocessed images at the sorted `positions` of `split`, in batches of `batch`:
   float32 (b, crop, crop, 3), b <= batch."""

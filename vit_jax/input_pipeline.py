@@ -83,6 +83,11 @@ def get_dataset_info(config) -> DatasetInfo:
   return info
 
 
+def num_examples(config, split: str) -> int:
+  """The number of examples of the split string `split` of config.dataset."""
+  return sources.get_source(config).num_examples(split)
+
+
 # Preprocessing.
 
 
@@ -117,13 +122,16 @@ def inception_crop(image: tf.Tensor, key: tf.Tensor,
     key: int64 (2,) stateless random key.
     area_min: the smallest fraction of the image's area a crop may cover.
   Returns:
-    (crop_height, crop_width, channels), same dtype.
+    (crop_height, crop_width, channels), same dtype, the channels static where the image's are
+    (RandAugment's ops need them).
   """
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
       tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=key, min_object_covered=0,
       area_range=(area_min, 1.0), aspect_ratio_range=INCEPTION_ASPECT_RANGE,
       use_image_if_no_bounding_boxes=True)
-  return tf.slice(image, begin, size)
+  crop = tf.slice(image, begin, size)
+  crop.set_shape([None, None, image.shape[-1]])
+  return crop
 
 
 def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:

@@ -42,25 +42,41 @@ flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
                      'This process\'s index (env JAX_PROCESS_ID).')
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
                     'holding a checkpoint resumes from it. Default: workdirs/NAME, named after '
-                    '--config (see default_workdir), so that the same command resumes.')
+                    '--config and an overridden --config.dataset (see default_workdir), so that '
+                    'the same command resumes.')
 flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
                   '--verbosity=1 does), on every process; by default the console shows vit_jax\'s '
                   'lines and other libraries\' warnings (processes other than 0: warnings only), '
                   'and a live progress bar on a terminal.')
 
 
-def default_workdir(config_argument: str) -> str:
-  """`workdirs/NAME` for `--config=config_argument`: the file's name, then its argument, with
-  characters other than letters, digits, '.' and '-' as '_'.
+def default_workdir(config_argument: str, dataset: str | None = None) -> str:
+  """`workdirs/NAME` for `--config=config_argument`: the file's name, then its argument, then
+  `dataset` (an overridden --config.dataset) where given, with characters other than letters,
+  digits, '.' and '-' as '_'.
 
   No --config (the package's default run) or `configs/default.py` -> `workdirs/default`;
-  `configs/vit.py:b16,cifar10` -> `workdirs/vit_b16_cifar10`. Overrides
+  `configs/vit.py:b16,cifar10` -> `workdirs/vit_b16_cifar10`; no --config and
+  `--config.dataset=/data/my_photos` -> `workdirs/default_data_my_photos`. Other overrides
   (`--config.base_lr=...`) do not change it.
   """
   path, _, argument = config_argument.partition(':')
   stem = 'default' if path == DEFAULT_CONFIG else os.path.splitext(os.path.basename(path))[0]
-  name = '_'.join(filter(None, (stem, argument)))
-  return os.path.join('workdirs', re.sub(r'[^\w.-]+', '_', name, flags=re.ASCII))
+  name = _safe_name('_'.join(filter(None, (stem, argument))))
+  if dataset:
+    name += '_' + _safe_name(dataset).strip('_.')  # '~/photos', './photos/' -> 'photos'.
+  return os.path.join('workdirs', name)
+
+
+def _safe_name(text: str) -> str:
+  """`text` with each run of characters other than letters, digits, '.' and '-' as one '_'."""
+  return re.sub(r'[^\w.-]+', '_', text, flags=re.ASCII)
+
+
+def overridden_dataset(config: ml_collections.ConfigDict, argv: list[str]) -> str | None:
+  """config.dataset where the command line (`argv`) changed it from its config file's, else
+  None."""
+  return config.dataset if config.dataset != load_config(argv).dataset else None
 
 
 def lock_workdir(workdir: str):
@@ -271,7 +287,8 @@ def main(argv):
       sys.exit('--workdir is required with several processes: they must share one folder.')
     if jax.process_index() > 0 and not log_all:  # Process 0 speaks for all.
       logging.getLogger().setLevel(logging.WARNING)
-  workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename)
+  workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename,
+                                                   overridden_dataset(config, sys.argv))
   logging.info('Workdir: %s', os.path.abspath(workdir))
   try:  # Before TensorFlow is imported: a bad value is reported in seconds.
     validation.validate_config(config, jax.device_count())

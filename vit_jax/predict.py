@@ -8,7 +8,8 @@
 Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
 embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
 values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
-one whose spec vit_jax saved in the file (training runs, vit_jax.convert); a published file needs
+one whose spec vit_jax saved in the file (training runs, vit_jax.convert), and the class names
+those a training run saved with it; a published file needs
 --model, its registry name, unless given by its published name (vit_jax.published), and the
 number of classes and the representation size then come from its parameters.
 A missing file or an image that cannot be decoded is reported by name, the other images are still
@@ -39,9 +40,13 @@ def imagenet2012_labels_path() -> str:
   return os.path.join(spec.submodule_search_locations[0], *IMAGENET2012_LABELS)
 
 
-def load_labels(labels: Optional[str], num_classes: int) -> list[str]:
-  """Class names: 'imagenet2012', a text file with one name per line, or None (class indices)."""
+def load_labels(labels: Optional[str], num_classes: int,
+                saved: Optional[list[str]] = None) -> list[str]:
+  """Class names: 'imagenet2012', a text file with one name per line, or None: the names saved
+  with the model (`saved`, checkpoint.saved_label_names), else class indices."""
   if labels is None:
+    if saved and len(saved) == num_classes:
+      return list(saved)
     return [f'class {i}' for i in range(num_classes)]
   path = imagenet2012_labels_path() if labels == 'imagenet2012' else labels
   if not os.path.isfile(path):
@@ -88,7 +93,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                       'or a published name, e.g. augreg:B/16-384 (python -m vit_jax.checkpoint '
                       '--list)')
   parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
-                      'class name per line; default: class indices')
+                      'class name per line; default: the class names a training run saved with '
+                      'the model, else class indices')
   parser.add_argument('--image_size', type=int,
                       help="default: the resolution of the checkpoint's position embeddings")
   parser.add_argument('--top', type=int, default=5, help='classes printed per image')
@@ -101,7 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, params = checkpoint.load_model(args.checkpoint, args.model)
     image_size = args.image_size or checkpoint.native_image_size(params, model)
     params = resized_to(params, model, image_size)
-    labels = load_labels(args.labels, model.num_classes)
+    labels = load_labels(args.labels, model.num_classes,
+                         checkpoint.saved_label_names(args.checkpoint))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1

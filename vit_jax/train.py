@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 
 from vit_jax import checkpoint
-from vit_jax import config as default_config
+from vit_jax import config as defaults
 from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
@@ -103,20 +103,25 @@ def init_params(config, model, image_size: int):
       jax.random.PRNGKey(config.seed))
 
 
+TOP_K = 5  # Top-5 accuracy is reported for models of more classes than this only.
+
+
 def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), correct_top5
-  (label among the 5 highest logits; all with fewer than 5 classes), loss, count."""
+  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), loss, count, and
+  with more than TOP_K classes correct_top5 (label among the TOP_K highest logits; with fewer
+  classes it would count every example)."""
 
   def eval_step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
     mask = batch['mask'].astype(jnp.float32)
     labels = batch['label']
-    _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
-    top5_hit = jnp.any(top5 == labels[:, None], axis=-1)
-    return {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-            'correct_top5': jnp.sum(top5_hit * mask),
+    sums = {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
             'loss': jnp.sum(cross_entropy(logits, labels) * mask),
             'count': jnp.sum(mask)}
+    if logits.shape[-1] > TOP_K:
+      _, top = jax.lax.top_k(logits, TOP_K)
+      sums['correct_top5'] = jnp.sum(jnp.any(top == labels[:, None], axis=-1) * mask)
+    return sums
 
   return eval_step
 
@@ -136,9 +141,9 @@ EVAL_NAMES = {'correct': 'accuracy', 'correct_top5': 'top5_accuracy'}
 
 def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
   """The means over the whole of config.{split}_split of what `eval_step` sums, as
-  {split}_NAME: top-1 and top-5 accuracy and loss ({split}_accuracy, {split}_top5_accuracy,
-  {split}_loss), or under masked patch prediction {split}_mpp_loss and {split}_mpp_accuracy;
-  `split` is 'test' or 'val'."""
+  {split}_NAME: top-1 and top-5 accuracy and loss ({split}_accuracy, {split}_top5_accuracy
+  with more than TOP_K classes, {split}_loss), or under masked patch prediction
+  {split}_mpp_loss and {split}_mpp_accuracy; `split` is 'test' or 'val'."""
   config = evaluated_on(config, split)
   totals, pacer = None, hardware.Pacer()
   for batch in input_pipeline.get_eval_iterator(config, mesh):
@@ -152,10 +157,9 @@ def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict
 def evaluation_line(split: str, metrics: dict[str, float]) -> str:
   """The log line of `evaluate`'s `metrics` of `split`."""
   if f'{split}_accuracy' in metrics:
-    accuracy, top5, loss = (metrics[f'{split}_{name}'] for name in ('accuracy', 'top5_accuracy',
-                                                                     'loss'))
-    ema = metrics.get(f'{split}_accuracy_ema')
-    return (f'{split} accuracy {accuracy:.4f} (top-5 {top5:.4f})'
+    accuracy, loss = metrics[f'{split}_accuracy'], metrics[f'{split}_loss']
+    top5, ema = metrics.get(f'{split}_top5_accuracy'), metrics.get(f'{split}_accuracy_ema')
+    return (f'{split} accuracy {accuracy:.4f}{"" if top5 is None else f" (top-5 {top5:.4f})"}'
             f'{"" if ema is None else f", EMA {ema:.4f}"}, {split} loss {loss:.4f}')
   return ', '.join(f'{name.replace("_", " ")} {value:.4f}' for name, value in metrics.items())
 
@@ -179,35 +183,82 @@ def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
   return [split for split in due if split == 'test' or config.val_split]
 
 
+def fewshot_datasets(config: ml_collections.ConfigDict) -> list[str]:
+  """The datasets of config.fewshot.datasets, defaults.OWN_DATASET replaced by config.dataset,
+  each once."""
+  return list(dict.fromkeys(config.dataset if dataset == defaults.OWN_DATASET else dataset
+                            for dataset in config.fewshot.datasets))
+
+
 def fewshot_config(config: ml_collections.ConfigDict, dataset: str) -> ml_collections.ConfigDict:
-  """`config` with the dataset and the splits of few-shot evaluation on `dataset`."""
+  """`config` with the dataset and the splits of few-shot evaluation on `dataset`: the first
+  config.fewshot.num_train and num_test images of its fewshot.train_split and test_split (see
+  `first_images`)."""
   config = config.copy_and_resolve_references()
   config.dataset = dataset
-  config.train_split = config.fewshot.train_split
-  config.test_split = config.fewshot.test_split
-  if config.fewshot.num_test:
-    config.test_split += f'[:{config.fewshot.num_test}]'
+  config.train_split = first_images(config, config.fewshot.train_split, config.fewshot.num_train)
+  config.test_split = first_images(config, config.fewshot.test_split, config.fewshot.num_test)
   return config
 
 
-def evaluate_fewshot(model, params, config, mesh: Mesh) -> dict[str, float]:
+def first_images(config: ml_collections.ConfigDict, split: str, count: int | None) -> str:
+  """The split string of the first `count` images of `split` of config.dataset (all of them
+  where it has fewer); `split` itself for `count` None, or where it holds a slice of its own
+  ('train[:1000]': split strings cannot slice a slice)."""
+  if not count or '[' in split:
+    return split
+  return f'{split}[:{min(count, input_pipeline.num_examples(config, split))}]'
+
+
+def fewshot_plan(config: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+  """{dataset: shots} of few-shot evaluation: for each of `fewshot_datasets`, the k of
+  config.fewshot.shots for which every class of config.fewshot.train_split has k shots and
+  fewshot.HOLDOUT further images; logs a warning for each dataset that lacks images for some,
+  and for each of fewer than 2 classes (left out).
+  Raises ConfigError, naming the dataset, where a dataset or split does not exist or a test image
+  does not decode."""
+  plan = {}
+  for dataset in fewshot_datasets(config):
+    with data_errors(f'config.fewshot.datasets, {dataset!r}: '):
+      dataset_config = fewshot_config(config, dataset)
+      input_pipeline.get_dataset_info(dataset_config)
+      sizes = fewshot.class_sizes(dataset_config, dataset_config.train_split)
+    if len(sizes) < 2:
+      logging.warning('Few-shot evaluation skips %s: it has %d class, and a classifier needs 2 '
+                      'or more.', dataset, len(sizes))
+      continue
+    smallest = int(sizes.min())
+    shots = tuple(k for k in config.fewshot.shots if k + fewshot.HOLDOUT <= smallest)
+    if skipped := [k for k in config.fewshot.shots if k not in shots]:
+      logging.warning(
+          'Few-shot evaluation on %s skips %s-shot: k-shot needs k + %d images of each class in '
+          '%r (k shots, %d held out to choose the L2), and its smallest class has %d.', dataset,
+          '/'.join(map(str, skipped)), fewshot.HOLDOUT, dataset_config.train_split,
+          fewshot.HOLDOUT, smallest)
+    if shots:
+      plan[dataset] = shots
+  return plan
+
+
+def evaluate_fewshot(model, params, config, mesh: Mesh,
+                     plan: dict[str, tuple[int, ...]] | None = None) -> dict[str, float]:
   """{'fewshot/<dataset>_<k>shot': linear k-shot accuracy of the frozen features, the mean over
-  config.fewshot.seeds shot choices} for each dataset and k of config.fewshot."""
+  config.fewshot.seeds shot choices} for each dataset and k of `plan` (default:
+  `fewshot_plan(config)`)."""
   metrics = {}
-  for dataset in config.fewshot.datasets:
-    results = fewshot.evaluate(model, params, fewshot_config(config, dataset),
-                               config.fewshot.shots, range(config.fewshot.seeds),
-                               fewshot.HOLDOUT, mesh)
+  for dataset, shots in (fewshot_plan(config) if plan is None else plan).items():
+    results = fewshot.evaluate(model, params, fewshot_config(config, dataset), shots,
+                               range(config.fewshot.seeds), fewshot.HOLDOUT, mesh)
     name = os.path.basename(os.path.normpath(dataset))  # Image folders: the folder's name.
-    metrics.update({f'fewshot/{name}_{k}shot': results[k]['mean'] for k in config.fewshot.shots})
+    metrics.update({f'fewshot/{name}_{k}shot': results[k]['mean'] for k in shots})
   return metrics
 
 
 def fewshot_due(config: ml_collections.ConfigDict, step: int) -> bool:
-  """Whether few-shot evaluation runs after `step`: every config.fewshot.every steps, and
-  after the last step, where config.fewshot.datasets names any."""
+  """Whether few-shot evaluation (where it has datasets) runs after `step`: every
+  config.fewshot.every steps, and after the last step."""
   every = config.fewshot.every or config.total_steps
-  return bool(config.fewshot.datasets) and (step % every == 0 or step == config.total_steps)
+  return step % every == 0 or step == config.total_steps
 
 
 # The loop.
@@ -245,7 +296,7 @@ ADDED_FIELDS = ('model.transformer.stochastic_depth', 'model.transformer.stochas
 def added_field_defaults() -> dict[str, Any]:
   """{field of ADDED_FIELDS: its default}: the registry's TRANSFORMER_DEFAULTS for the model's
   fields, config.training_defaults() for the others."""
-  flat = _flatten({**default_config.training_defaults().to_dict(),
+  flat = _flatten({**defaults.training_defaults().to_dict(),
                    'model': {'transformer': registry.TRANSFORMER_DEFAULTS}})
   return {field: flat[field] for field in ADDED_FIELDS}
 
@@ -312,13 +363,66 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
   return state, train_iter
 
 
+@contextlib.contextmanager
+def data_errors(prefix: str):
+  """Raises the errors of the data sources (an unknown dataset, a bad split or folder, a test
+  image that does not decode) as ConfigError, the message after `prefix`."""
+  try:
+    yield
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f'{prefix}{e}') from None
+
+
 def check_data(config: ml_collections.ConfigDict, prefix: str) -> input_pipeline.DatasetInfo:
   """The dataset info of `config`; raises ConfigError, its message after `prefix`, where the
   dataset or a split does not exist or a test image does not decode."""
-  try:
+  with data_errors(prefix):
     return input_pipeline.get_dataset_info(config)
-  except (ValueError, FileNotFoundError) as e:  # An unknown dataset, a bad split or folder.
-    raise ConfigError(f'{prefix}{e}') from None
+
+
+def check_classes(config: ml_collections.ConfigDict, info: input_pipeline.DatasetInfo) -> None:
+  """Raises ConfigError where a supervised run's dataset has fewer than 2 classes: a classifier
+  of one class scores every image right and learns nothing."""
+  if config.objective == 'supervised' and info.num_classes < 2:
+    raise ConfigError(
+        f'config.dataset={config.dataset!r} has {info.num_classes} class'
+        f'{"" if info.num_classes == 1 else "es"} ({", ".join(info.label_names) or "none"}): a '
+        'classifier needs 2 or more. Use a dataset of several classes (an image folder: one '
+        'folder per class, DIR/train/<class>/ and DIR/test/<class>/), or pre-train without '
+        'labels with --config.objective=masked_patch_prediction.')
+
+
+SHOWN_CLASS_NAMES = 5  # Class names the dataset line shows; '...' for the rest.
+
+
+def dataset_line(config: ml_collections.ConfigDict, info: input_pipeline.DatasetInfo) -> str:
+  """'Dataset NAME: N train images (SPLIT), M test images (SPLIT), K classes (a, b, ...).'"""
+  names = ', '.join(info.label_names[:SHOWN_CLASS_NAMES])
+  more = ', ...' if info.num_classes > SHOWN_CLASS_NAMES else ''
+  return (f'Dataset {config.dataset}: {info.num_train:,} train images ({config.train_split}), '
+          f'{info.num_test:,} test images ({config.test_split}), {info.num_classes} classes '
+          f'({names}{more}).')
+
+
+# Passes over each training image beyond which a run from scratch gets a warning: its config's
+# schedule was made for more data (on 20 images, 900 steps of 128 spend minutes on a flat loss).
+MAX_PASSES = 100
+SMALL_DATA_CONFIG = 'configs/scratch_small.py'
+
+
+def warn_of_repetition(config: ml_collections.ConfigDict,
+                       info: input_pipeline.DatasetInfo) -> None:
+  """Logs a warning where a run from scratch sees each training image more than MAX_PASSES
+  times, naming SMALL_DATA_CONFIG. Fine-tuning is left alone: the paper fine-tunes for hundreds
+  of passes over small datasets."""
+  passes = config.total_steps * config.batch / info.num_train
+  if passes > MAX_PASSES and not config.pretrained_path:
+    logging.warning(
+        'This run sees each of its %s training images about %s times (%s steps of %s images), '
+        'a schedule made for more data. For a small image folder, --config=%s:DIR fits the '
+        'schedule to it (about %d passes, with augmentation and regularisation); or lower '
+        '--config.total_steps.', f'{info.num_train:,}', f'{passes:,.0f}',
+        f'{config.total_steps:,}', config.batch, SMALL_DATA_CONFIG, MAX_PASSES)
 
 
 def check_fewshot_model(model) -> None:
@@ -337,15 +441,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   validate_config(config, jax.device_count())
   info = check_data(config, '')
+  check_classes(config, info)
+  logging.info('%s', dataset_line(config, info))
+  warn_of_repetition(config, info)
   if config.val_split:
     check_data(evaluated_on(config, 'val'), f'config.val_split={config.val_split!r}: ')
-  for dataset in config.fewshot.datasets:
-    check_data(fewshot_config(config, dataset), f'config.fewshot.datasets, {dataset!r}: ')
+  plan = fewshot_plan(config)
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
   model = build_model(config, info.num_classes)
-  if config.fewshot.datasets:
+  if plan:
     check_fewshot_model(model)
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
@@ -364,17 +470,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
-                                checkpoints)
+                                checkpoints, plan)
   except CheckpointSaveError as e:
     if e.final_state is None:
       raise
-    saved = export_after_failed_save(e.final_state, model, config, workdir)
+    saved = export_after_failed_save(e.final_state, model, config, workdir,
+                                    info.label_names)
     raise CheckpointSaveError(f'{e} {saved}', e.step) from None
   finally:
     checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
     try:
-      export(state, model, config, workdir)
+      export(state, model, config, workdir, info.label_names)
     except CheckpointSaveError as e:
       raise CheckpointSaveError(
           f'{e} The checkpoint of step {int(state.step)} is complete: free some space and run '
@@ -382,24 +489,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return last_metrics
 
 
-def export_after_failed_save(state: TrainState, model, config, workdir: str) -> str:
+def export_after_failed_save(state: TrainState, model, config, workdir: str,
+                             label_names: list[str]) -> str:
   """Writes model.npz of the final `state` whose checkpoint failed; says whether it could."""
   try:
-    export(state, model, config, workdir)
+    export(state, model, config, workdir, label_names)
   except CheckpointSaveError as e:
     return f'{e} Free some space and run the same command again.'
   return (f'The final params are in {os.path.join(workdir, checkpoint.WORKDIR_MODEL)}; free some '
           'space and run the same command again for the final checkpoint.')
 
 
-def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec;
-  with an EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
+def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
+           label_names: list[str]) -> None:
+  """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec
+  and the dataset's class names (`label_names`, in label order: what `predict` prints); with an
+  EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
-  spec = models.model_spec(model, config.model_name)
+  spec = {**models.model_spec(model, config.model_name), 'label_names': list(label_names)}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -414,10 +524,12 @@ def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir:
       logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
-def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints):
+def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints,
+          fewshot_shots: dict[str, tuple[int, ...]]):
   """Compiles the steps and runs them from `state.step` on; returns the last state and metrics.
 
-  A run that has already reached `config.total_steps` is evaluated once instead.
+  A run that has already reached `config.total_steps` is evaluated once instead. Few-shot
+  evaluation runs on the datasets and shots of `fewshot_shots` (`fewshot_plan`), where any.
   """
   train_step = jit_train_step(model, optimizer, config, mesh, shardings)
   eval_step = jax.jit(mpp.make_eval_step(model, config)
@@ -426,7 +538,8 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
       [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
-  fewshot_eval = functools.partial(evaluate_fewshot, model, config=config, mesh=mesh)
+  fewshot_eval = (functools.partial(evaluate_fewshot, model, config=config, mesh=mesh,
+                                    plan=fewshot_shots) if fewshot_shots else None)
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
@@ -435,7 +548,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
       with preemption.stops_evaluation():
         metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
                            state)
-        if config.fewshot.datasets:
+        if fewshot_eval:
           metrics.update(with_ema(fewshot_eval, state))
       return state, metrics
     except EvaluationStopped as e:
@@ -463,7 +576,7 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
               checkpoints: Checkpoints, preemption, flops_per_image_over_peak, fewshot_eval):
   """The step loop, from `state.step` to `config.total_steps` or a preemption.
 
-  `fewshot_eval(params)` returns the few-shot metrics, run where `fewshot_due`.
+  `fewshot_eval(params)` returns the few-shot metrics, run where `fewshot_due`; None: none.
 
   Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM
   or SIGINT. Each step's checkpoint is started before its evaluation, so a failing evaluation
@@ -549,7 +662,7 @@ def evaluate_due(config, step: int, state: TrainState, eval_step, fewshot_eval, 
     writer.write_scalars(step, eval_metrics)
     logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
     metrics.update(eval_metrics)
-  if fewshot_due(config, step):
+  if fewshot_eval and fewshot_due(config, step):
     eval_start = time.perf_counter()
     fewshot_metrics = with_ema(fewshot_eval, state)
     writer.write_scalars(step, fewshot_metrics)

@@ -1,0 +1,165 @@
+"""Tests of a first run on one's own image folder, as the README shows it:
+`python -m vit_jax.main --config.dataset=DIR` in a fresh folder, then `vit_jax.predict` on its
+model, each a process with the device count JAX picks for itself (no harness flags).
+
+What the run says about the data, a dataset of one class, the warning of a run that sees each
+image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
+the class names that `predict` prints.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import tensorflow_datasets as tfds
+
+from helpers import read_scalars
+from helpers import tiny_config
+from helpers import write_image_folder
+from helpers import xla_flags
+from vit_jax import config as defaults
+from vit_jax import main
+from vit_jax import train
+from vit_jax import validation
+import tiny_tfds
+
+pytestmark = pytest.mark.xdist_group('own_data')  # The module fixture runs once.
+TIMEOUT = 300  # Seconds any one process may run.
+FOLDER = 'my_photos'  # In the run's current folder, as --config.dataset=my_photos names it.
+# 15 training images of each class: 5-shot (5 shots, 10 held out) fits, 10-shot does not.
+PER_CLASS = {'train': 15, 'test': 5}
+# Shorter than the default run's 900 steps, still 30 x 128 = 3,840 images of 30: 128 passes.
+SHORTER = ['--config.total_steps=30', '--config.warmup_steps=5']
+OWN_DATA_RUN = ['vit_jax.main', f'--config.dataset={FOLDER}', *SHORTER]
+
+
+def run(args, cwd) -> tuple[int, str]:
+  """(exit status, output) of `python -m ARGS` in `cwd`, on the devices JAX picks itself."""
+  result = subprocess.run([sys.executable, '-m', *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=TIMEOUT, env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
+  return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope='module')
+def own_run(tmp_path_factory):
+  """(folder the commands ran in, log of the run, log of the same command run again)."""
+  cwd = tmp_path_factory.mktemp('own_data')
+  write_image_folder(cwd / FOLDER, PER_CLASS)
+  status, log = run(OWN_DATA_RUN, cwd)
+  assert status == 0, log
+  status, again = run(OWN_DATA_RUN, cwd)
+  assert status == 0, again
+  return cwd, log, again
+
+
+def test_the_run_names_its_dataset_image_counts_and_classes_first(own_run):
+  _, log, _ = own_run
+  line = re.search(r'^.*Dataset my_photos: .*$', log, re.MULTILINE)
+  assert line, log
+  assert line[0].endswith('Dataset my_photos: 30 train images (train), 10 test images (test), '
+                          '2 classes (Bag, Trouser).'), line[0]
+  assert log.index('Dataset my_photos') < log.index('Mesh:') < log.index('Model ')
+
+
+def test_few_shot_runs_on_the_runs_own_data_and_skips_the_shots_it_lacks_images_for(own_run):
+  cwd, log, _ = own_run
+  assert 'fashion_mnist_embedded' not in log, log
+  done = log.strip().splitlines()[-1]
+  assert re.search(r'Done: .*my_photos_5shot [\d.]+', done), log
+  assert 'shot' not in done.replace('my_photos_5shot', ''), done
+  assert re.search(r"WARNING: Few-shot evaluation on my_photos skips 10-shot: k-shot needs k \+ 10 "
+                   r"images of each class in 'train\[:30\]' \(k shots, 10 held out to choose "
+                   r'the L2\), and its smallest class has 15\.', log), log
+  assert set(read_scalars(cwd / 'workdirs' / 'default_my_photos')) >= {'fewshot/my_photos_5shot'}
+
+
+def test_top5_is_not_reported_with_5_classes_or_fewer(own_run):
+  cwd, log, again = own_run
+  assert re.search(r'step 30: test accuracy [\d.]+, test loss', log), log
+  assert not re.search('top-?5', log + again, re.IGNORECASE), log + again
+  assert 'test_top5_accuracy' not in read_scalars(cwd / 'workdirs' / 'default_my_photos')
+
+
+def test_a_run_that_sees_each_image_over_100_times_warns_in_one_line(own_run):
+  _, log, _ = own_run
+  warnings = [line for line in log.splitlines() if 'times' in line]
+  assert len(warnings) == 1, log
+  assert re.search(r'WARNING: This run sees each of its 30 training images about 128 times '
+                   r'\(30 steps of 128 images\), .* --config=configs/scratch_small\.py:DIR ',
+                   warnings[0]), warnings
+
+
+def test_the_default_workdir_names_the_overridden_dataset_and_the_command_resumes(own_run):
+  cwd, log, again = own_run
+  workdir = cwd / 'workdirs' / 'default_my_photos'
+  for output in (log, again):
+    assert f'Workdir: {workdir}\n' in output, output
+  assert 'Already trained to step 30 of 30: evaluating it.' in again, again
+  assert not (cwd / 'workdirs' / 'default').exists()  # The quick start's stays free.
+  assert main.default_workdir(main.DEFAULT_CONFIG, '/data/my_photos/') == os.path.join(
+      'workdirs', 'default_data_my_photos')
+  assert main.default_workdir('configs/vit.py:ti16,cifar10', '~/photos') == os.path.join(
+      'workdirs', 'vit_ti16_cifar10_photos')
+
+
+def test_predict_prints_the_class_names_of_the_runs_folder(own_run):
+  cwd, _, _ = own_run
+  images = [f'{FOLDER}/test/Bag/0.png', f'{FOLDER}/test/Trouser/0.png']
+  status, out = run(['vit_jax.predict', '--checkpoint', 'workdirs/default_my_photos', *images],
+                    cwd)
+  assert status == 0, out
+  for image in images:
+    lines = out.split(f'{image} (28x28 px):\n')[1].splitlines()[:2]
+    assert sorted(re.sub(r'^ *[\d.]+% +', '', line) for line in lines) == [
+        'Bag (0)', 'Trouser (1)'], out
+
+
+def test_a_folder_of_one_class_is_refused_before_anything_compiles(tmp_path):
+  write_image_folder(tmp_path / 'one_class', PER_CLASS, class_ids=(8,))
+  status, log = run(['vit_jax.main', '--config.dataset=one_class'], tmp_path)
+  assert status == 1, log
+  assert log.strip().splitlines()[-1] == (
+      "Config error: config.dataset='one_class' has 1 class (Bag): a classifier needs 2 or more. "
+      'Use a dataset of several classes (an image folder: one folder per class, '
+      'DIR/train/<class>/ and DIR/test/<class>/), or pre-train without labels with '
+      '--config.objective=masked_patch_prediction.'), log
+  assert 'Mesh:' not in log and 'Model ' not in log, log
+
+
+class OneClassFashionMnist(tiny_tfds.TinyFashionMnist):
+  """tiny_fashion_mnist's images of class 0 (T-shirt/top), the dataset's one class."""
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(28, 28, 1)),
+        'label': tfds.features.ClassLabel(names=['T-shirt/top'])}))
+
+  def _generate_examples(self, split, count):
+    for key, example in super()._generate_examples(split, count):
+      if example['label'] == 0:
+        yield key, example
+
+
+def test_a_tfds_dataset_of_one_class_is_refused(tmp_path):
+  config = tiny_config(dataset='one_class_fashion_mnist', tfds_data_dir=str(tmp_path),
+                       test_split='test')
+  with pytest.raises(validation.ConfigError, match=r"^config.dataset='one_class_fashion_mnist' "
+                     r'has 1 class \(T-shirt/top\): a classifier needs 2 or more\.'):
+    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert not (tmp_path / 'workdir' / 'checkpoints').exists()
+
+
+def test_own_dataset_in_the_few_shot_datasets_is_the_runs_dataset():
+  config = tiny_config(dataset='/data/photos')
+  config.fewshot.datasets = (defaults.OWN_DATASET, 'fashion_mnist_embedded', '/data/photos')
+  assert train.fewshot_datasets(config) == ['/data/photos', 'fashion_mnist_embedded']
+
+
+def test_few_shot_evaluation_leaves_out_a_dataset_of_one_class(tmp_path, caplog):
+  # As when pre-training by masked patch prediction on a folder of one class, DIR/train/all/.
+  config = tiny_config(dataset=write_image_folder(tmp_path, PER_CLASS, class_ids=(8,)),
+                       test_split='test')
+  config.fewshot.datasets = (defaults.OWN_DATASET,)
+  assert train.fewshot_plan(config) == {}
+  assert f'Few-shot evaluation skips {tmp_path}: it has 1 class' in caplog.text
