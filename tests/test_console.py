@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from helpers import DATA
 from helpers import TINY_CONFIG
 from helpers import xla_flags
 from vit_jax import console
@@ -53,6 +54,31 @@ def test_quick_start_prints_the_projects_lines_only(tmp_path):
   events.Reload()
   assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
       events.Tags()['tensors'])
+
+
+# Each command as the README shows it, on the trained run's workdir (`W`) or into `OUT`.
+COMMANDS = {
+    'visualize': ['--checkpoint', 'W', '--output', 'OUT'],
+    'fewshot': ['--checkpoint', 'W', '--shots', '1', '--seeds', '1',
+                '--train_split', 'train[:200]', '--test_split', 'test[:100]'],
+    'export': ['--checkpoint', 'W', '--format', 'saved_model', '--out', 'OUT'],
+    'predict': ['--checkpoint', 'W', os.path.join(DATA, 'cifar10_00_3.png')],
+}
+
+
+@pytest.mark.parametrize('command', sorted(COMMANDS))
+def test_every_command_shows_no_native_info_lines(command, trained_run, tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  env['XLA_FLAGS'] = xla_flags(None)
+  places = {'W': trained_run[0], 'OUT': str(tmp_path / 'out')}
+  result = subprocess.run(
+      [sys.executable, '-m', f'vit_jax.{command}',
+       *(places.get(arg, arg) for arg in COMMANDS[command])],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip(), result.stderr  # It did its work.
+  assert not re.search(r'^I\d{4} |oneDNN|absl::InitializeLog', result.stderr, re.MULTILINE), (
+      result.stderr)
 
 
 def test_native_info_lines_are_dropped_and_every_other_line_is_kept(capfd):

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import sys
 import zipfile
 import zlib
 from typing import Any, Collection, Optional
@@ -41,6 +40,7 @@ import ml_collections
 import numpy as np
 import scipy.ndimage
 
+from vit_jax import console
 from vit_jax import models
 from vit_jax import mpp
 from vit_jax import positions
@@ -624,4 +624,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)

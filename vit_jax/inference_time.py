@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vit_jax import config as defaults
+from vit_jax import console
 from vit_jax import hardware
 from vit_jax import models
 from vit_jax import models_vit
@@ -256,4 +257,4 @@ def main(argv=None):
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
-  main()
+  console.run(main)

@@ -228,9 +228,8 @@ def main(argv):
   except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
-  with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
-    from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
-    from vit_jax import train_checkpoints  # pylint: disable=g-import-not-at-top
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (it imports TensorFlow)
+  from vit_jax import train_checkpoints  # pylint: disable=g-import-not-at-top
   try:
     metrics = train.train_and_evaluate(config, workdir)
   except validation.ConfigError as e:

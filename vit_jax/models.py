@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vit_jax import console
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS
 
@@ -228,4 +229,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  console.run(main)
