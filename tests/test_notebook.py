@@ -34,6 +34,9 @@ def fixture_executed(tmp_path_factory):
     env.setenv('VIT_JAX_NOTEBOOK_QUICK', '1')
     env.setenv('TMPDIR', str(folder))  # The notebook's WORKDIR goes here.
     env.delenv('TF_CPP_MIN_LOG_LEVEL', raising=False)  # As for a user: the console sets it.
+    # ipykernel forwards what C++ code writes to file descriptors 1 and 2 to the notebook, as a
+    # user sees it, only where this variable of pytest's is not set.
+    env.delenv('PYTEST_CURRENT_TEST', raising=False)
     nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
                             resources={'metadata': {'path': str(folder)}}).execute()
   return notebook
