@@ -57,7 +57,7 @@ def write_image_folder(root, per_class: dict[str, int], class_ids=(1, 8)) -> str
   """Writes an image folder of the embedded data, `root/<split>/<class name>/<i>.png`, with
   `per_class[split]` images of each of the classes `class_ids` (default Trouser and Bag), each
   folder named after its class; returns `root` as a string."""
-  from vit_jax import input_pipeline_sources as sources  # pylint: disable=g-import-not-at-top (TF)
+  from vit_jax import input_pipeline_sources as sources  # TF.
   with np.load(sources.EMBEDDED_PATH) as data:
     for split, count in per_class.items():
       for class_id in class_ids:

@@ -1,5 +1,6 @@
-"""Tests of the AugReg presets (configs/augreg.py) and the small-data preset
-(configs/scratch_small.py): they load as `--config=FILE:ARG` does and validate."""
+"""Tests of the AugReg presets (configs/augreg.py), the small-data preset
+(configs/scratch_small.py) and the higher-resolution continuation (configs/finetune.py): they
+load as `--config=FILE:ARG` does and validate."""
 import pytest
 
 from helpers import write_image_folder
@@ -67,3 +68,21 @@ def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_ov
 def test_scratch_small_needs_a_folder():
   with pytest.raises(ValueError, match='give the image folder DIR'):
     load('configs/scratch_small.py')
+
+
+def test_finetune_continues_the_default_run_with_the_papers_transfer_recipe():
+  config = load('configs/finetune.py:56')
+  default = load('configs/default.py')
+  assert config.model == default.model and config.dataset == default.dataset
+  assert (config.pretrained_path, config.pretrained_keep_head, config.pp.crop) == (
+      'workdirs/default', True, 56)
+  # Appendix B.1.1: momentum SGD, no weight decay, cosine decay, clipping at global norm 1.
+  assert (config.optimizer, config.momentum, config.weight_decay, config.decay_type,
+          config.grad_clip_norm, config.label_smoothing) == ('sgd', 0.9, 0.0, 'cosine', 1.0, 0.0)
+  assert config.total_steps < default.total_steps  # Each step costs 4 times as much.
+  validation.validate_config(config, 8)
+
+
+def test_finetune_needs_a_resolution():
+  with pytest.raises(ValueError, match='give the resolution in pixels'):
+    load('configs/finetune.py:big')

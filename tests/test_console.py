@@ -3,6 +3,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from helpers import DATA
+from helpers import TINY_CONFIG
 from helpers import xla_flags
 from vit_jax import console
 from vit_jax import train
@@ -51,6 +54,31 @@ def test_quick_start_prints_the_projects_lines_only(tmp_path):
   events.Reload()
   assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
       events.Tags()['tensors'])
+
+
+# Each command as the README shows it, on the trained run's workdir (`W`) or into `OUT`.
+COMMANDS = {
+    'visualize': ['--checkpoint', 'W', '--output', 'OUT'],
+    'fewshot': ['--checkpoint', 'W', '--shots', '1', '--seeds', '1',
+                '--train_split', 'train[:200]', '--test_split', 'test[:100]'],
+    'export': ['--checkpoint', 'W', '--format', 'saved_model', '--out', 'OUT'],
+    'predict': ['--checkpoint', 'W', os.path.join(DATA, 'cifar10_00_3.png')],
+}
+
+
+@pytest.mark.parametrize('command', sorted(COMMANDS))
+def test_every_command_shows_no_native_info_lines(command, trained_run, tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  env['XLA_FLAGS'] = xla_flags(None)
+  places = {'W': trained_run[0], 'OUT': str(tmp_path / 'out')}
+  result = subprocess.run(
+      [sys.executable, '-m', f'vit_jax.{command}',
+       *(places.get(arg, arg) for arg in COMMANDS[command])],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip(), result.stderr  # It did its work.
+  assert not re.search(r'^I\d{4} |oneDNN|absl::InitializeLog', result.stderr, re.MULTILINE), (
+      result.stderr)
 
 
 def test_native_info_lines_are_dropped_and_every_other_line_is_kept(capfd):
@@ -104,3 +132,18 @@ def test_progress_lines_become_one_live_bar_on_a_terminal():
   bar_end = lines[-3].rsplit('\r', 1)[-1]  # The finished bar: its last drawing.
   assert bar_end.startswith('100%|') and bar_end.endswith('step 60/60: loss 0.5'), lines
   assert lines[-2].endswith(' Done.') and lines[-1] == '', lines
+
+
+def test_a_resumed_run_shows_no_library_warning(tmp_path, trained_run):
+  """Running a finished run's command again restores its last checkpoint and evaluates it."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained_run[0], workdir)
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  env['XLA_FLAGS'] = xla_flags(None)
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={workdir}'],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  assert f'Resuming from step 60 of {workdir}/checkpoints.' in result.stderr, result.stderr
+  # Orbax's 'Metadata file does not exist: .../checkpoints/60/state/_CHECKPOINT_METADATA'.
+  assert 'WARNING' not in result.stderr, result.stderr

@@ -33,6 +33,10 @@ def fixture_executed(tmp_path_factory):
   with pytest.MonkeyPatch.context() as env:
     env.setenv('VIT_JAX_NOTEBOOK_QUICK', '1')
     env.setenv('TMPDIR', str(folder))  # The notebook's WORKDIR goes here.
+    env.delenv('TF_CPP_MIN_LOG_LEVEL', raising=False)  # As for a user: the console sets it.
+    # ipykernel forwards what C++ code writes to file descriptors 1 and 2 to the notebook, as a
+    # user sees it, only where this variable of pytest's is not set.
+    env.delenv('PYTEST_CURRENT_TEST', raising=False)
     nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
                             resources={'metadata': {'path': str(folder)}}).execute()
   return notebook
@@ -93,3 +97,9 @@ def test_displays_figures(executed):
     width, height = image.size
     assert width >= 300 and height >= 150, image.size
     assert (np.asarray(image.convert('L')) < 250).mean() > 0.02, 'an almost blank figure'
+
+
+def test_shows_no_native_info_lines(executed):
+  errors = ''.join(output.text for cell in executed.cells if cell.cell_type == 'code'
+                   for output in cell.outputs if output.get('name') == 'stderr')
+  assert not re.search(r'^I\d{4} |oneDNN|absl::InitializeLog', errors, re.MULTILINE), errors

@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import zipfile
 import zlib
 from typing import Any, Collection, Optional
@@ -44,6 +43,7 @@ import ml_collections
 import numpy as np
 import scipy.ndimage
 
+from vit_jax import console
 from vit_jax import models
 from vit_jax import mpp
 from vit_jax import positions
@@ -692,4 +692,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)

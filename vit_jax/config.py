@@ -125,6 +125,33 @@ def with_model(config: ml_collections.ConfigDict, model_name: str) -> ml_collect
   return config
 
 
+
+# The optimiser of the paper's transfer runs (Appendix B.1.1) as training_defaults() sets it, the
+# one of configs/vit.py's fine-tuning presets: momentum SGD at 0.03, no weight decay, cosine
+# decay, global-norm clipping at 1, no label smoothing.
+TRANSFER_FIELDS = ('optimizer', 'base_lr', 'momentum', 'weight_decay', 'decay_type', 'min_lr',
+                   'grad_clip_norm', 'label_smoothing')
+
+
+def continued_at(config: ml_collections.ConfigDict, crop: int, pretrained_path: str,
+                 total_steps: int) -> ml_collections.ConfigDict:
+  """`config`, a trained run's, continued from its model `pretrained_path` at `crop` pixels on
+  the same classes: the trained head kept, the position embeddings interpolated to the larger
+  grid, and the paper's transfer recipe (TRANSFER_FIELDS) for `total_steps` updates, a tenth of
+  them warmup. docs/finetuning.md has what it reaches."""
+  config = config.copy_and_resolve_references()
+  transfer = training_defaults()
+  for name in TRANSFER_FIELDS:
+    config[name] = transfer[name]
+  config.pp.crop = crop
+  config.pretrained_path = pretrained_path
+  config.pretrained_keep_head = True
+  config.total_steps = total_steps
+  config.warmup_steps = total_steps // 10
+  config.eval_every = config.checkpoint_every = total_steps
+  config.progress_every = max(total_steps // 5, 1)
+  return config
+
 # One line on each field, in the order `python -m vit_jax.main --help` lists them.
 FIELD_HELP = {
     'seed': 'Seed of the initial params, the data order and the augmentation.',

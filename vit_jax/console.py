@@ -1,19 +1,24 @@
-"""The console of `python -m vit_jax.main`: the project's lines, other libraries' warnings.
+"""The console of every vit_jax command and of the notebook: the project's lines, other
+libraries' warnings.
 
 By default the console shows what vit_jax logs (the workdir, the model, the mesh, progress,
 evaluations, checkpoints, the end), each as `HH:MM:SS message`, and other libraries' records at
-WARNING and above. On a terminal the progress lines become one live tqdm bar. `setup(True)`
-(`--log_all`, or absl's `--verbosity=1`) keeps absl's format and every library's INFO lines.
+WARNING and above, without the INFO lines TensorFlow's C++ runtime prints as it loads. On a
+terminal the progress lines become one live tqdm bar. `setup(True)` (`--log_all`, or absl's
+`--verbosity=1`) keeps absl's format and every library's INFO lines.
 
-Importing this module changes nothing; the command line calls `setup` once.
+Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
+commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
 """
 import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import re
 import sys
 import tempfile
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, NoReturn, Optional, TextIO
 
 import tqdm
 
@@ -121,17 +126,46 @@ def native_info_lines_dropped() -> Iterator[None]:
       sys.stderr.flush()
 
 
+class QuietFirstImport(importlib.abc.MetaPathFinder):
+  """An import hook (for sys.meta_path) that runs the first import of the package `name` inside
+  `native_info_lines_dropped`, then takes itself off sys.meta_path. Finds nothing itself: the
+  finders after it find the package."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def find_spec(self, fullname: str, path=None, target=None):
+    del path, target
+    if fullname != self.name:
+      return None
+    sys.meta_path.remove(self)
+    spec = importlib.util.find_spec(fullname)
+    if spec is not None and spec.loader is not None:
+      exec_module = spec.loader.exec_module
+
+      def quiet_exec_module(module):
+        with native_info_lines_dropped():
+          exec_module(module)
+
+      spec.loader.exec_module = quiet_exec_module
+    return spec
+
+
 def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
   """Sets the process's logging up for the console `stream`: quiet unless `log_all`.
 
-  Quiet also hides TensorFlow's C++ INFO lines (unless TF_CPP_MIN_LOG_LEVEL is set), which
-  works only before TensorFlow is first imported, and, off a terminal, tfds's progress bars.
+  Quiet also hides TensorFlow's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL=1 unless set, and the lines
+  it prints all the same as it loads, whichever module imports it and whenever), which works
+  only before TensorFlow is first imported, and, off a terminal, tfds's progress bars.
   """
   root = logging.getLogger()
   root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
   if log_all:
     return
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+  if 'tensorflow' not in sys.modules and not any(
+      isinstance(finder, QuietFirstImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, QuietFirstImport('tensorflow'))
   handler = ProgressBarHandler(stream) if stream.isatty() else logging.StreamHandler(stream)
   handler.addFilter(ProjectOnly())
   handler.setFormatter(ConsoleFormatter())
@@ -141,3 +175,11 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
   if not stream.isatty():  # tfds's preparation bars would print a line per update.
     import tensorflow_datasets as tfds  # After TF_CPP_MIN_LOG_LEVEL is set.
     tfds.disable_progress_bar()
+
+
+def run(main: Callable[[], Optional[int]]) -> NoReturn:
+  """Runs a command line's `main` (argv from sys.argv) in the quiet console and exits with the
+  status it returns: the start of every `python -m vit_jax.COMMAND` but `vit_jax.main`, whose
+  flags choose between quiet and `--log_all`."""
+  setup(log_all=False)
+  sys.exit(main())

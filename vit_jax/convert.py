@@ -32,6 +32,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 from vit_jax import checkpoint
+from vit_jax import console
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import torch_layout
@@ -292,4 +293,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)

@@ -36,6 +36,7 @@ import numpy as np
 import safetensors.numpy
 
 from vit_jax import checkpoint
+from vit_jax import console
 from vit_jax import models_vit
 from vit_jax import predict
 from vit_jax import published
@@ -264,7 +265,7 @@ def export(model, params, image_size: int, format_name: str, out: str,
       tmp = os.path.join(tmp_dir, os.path.basename(out))
       WRITERS[format_name](model, params, image_size, tmp, labels)
       os.replace(tmp, out)
-  except Exception as e:  # pylint: disable=broad-except  (safetensors' and TensorFlow's errors)
+  except Exception as e:  # Safetensors' and TensorFlow's errors.
     if not checkpoint.is_out_of_space(e):
       raise
     raise OSError(f'Writing {out} failed (No space left on device); '
@@ -308,4 +309,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)

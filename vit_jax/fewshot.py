@@ -32,13 +32,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
-import tensorflow as tf
 
 from vit_jax import checkpoint
 from vit_jax import config as defaults
+from vit_jax import console
 from vit_jax import hardware
-from vit_jax import input_pipeline
-from vit_jax import input_pipeline_sources as sources
+
+# TensorFlow, and the input pipeline that imports it, are imported where they are used: the
+# command line sets up its console (vit_jax.console.run) before TensorFlow loads.
 
 L2_GRID = tuple(2.0**i for i in range(-6, 14, 2))  # Ridge penalties tried per seed and k.
 HOLDOUT = 10  # Default held-out training images per class that choose the L2.
@@ -237,6 +238,7 @@ def membership(positions: np.ndarray, draws: Sequence[tuple[np.ndarray, np.ndarr
 
 def split_labels(config, split: str) -> np.ndarray:
   """int64 (N,): the labels of `split` of config.dataset in stored order, images undecoded."""
+  from vit_jax import input_pipeline_sources as sources
   shard = sources.get_source(config).shard(split, 0, 1)
 
   def label(record):
@@ -249,6 +251,7 @@ def split_labels(config, split: str) -> np.ndarray:
 def class_sizes(config, split: str) -> np.ndarray:
   """int (K,): the number of images of each class in `split` of config.dataset; reads the
   labels only."""
+  from vit_jax import input_pipeline_sources as sources
   num_classes = len(sources.get_source(config).label_names)
   return np.bincount(split_labels(config, split), minlength=num_classes)
 
@@ -256,6 +259,9 @@ def class_sizes(config, split: str) -> np.ndarray:
 def selected_images(config, split: str, positions: np.ndarray, batch: int) -> Iterator[np.ndarray]:
   """Preprocessed images at the sorted `positions` of `split`, in batches of `batch`:
   float32 (b, crop, crop, 3), b <= batch."""
+  import tensorflow as tf
+  from vit_jax import input_pipeline
+  from vit_jax import input_pipeline_sources as sources
   shard = sources.get_source(config).shard(split, 0, 1)
   wanted = np.zeros(shard.num_examples, bool)
   wanted[positions] = True
@@ -285,6 +291,7 @@ def train_batches(config, labels: np.ndarray, draws, shots: Sequence[int],
   global batches {'image', 'label', 'shots', 'holdout'} of config.batch_eval rows, sharded along
   the mesh's 'data' axis, zero rows (zero weights) after the last image. Each process reads and
   preprocesses its own contiguous share of the images."""
+  from vit_jax import input_pipeline
   positions = np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
   mine = np.array_split(positions, jax.process_count())[jax.process_index()]
   batch = input_pipeline.local_batch_size(config, 'batch_eval', jax.process_count())
@@ -345,6 +352,8 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
     'holdout_accuracy': per seed}}, and 'num_test', 'seconds_train' (the shots' and held-out
     images' features and the regressions), 'seconds_test' (the test pass: features and scores).
   """
+  from vit_jax import input_pipeline
+  from vit_jax import input_pipeline_sources as sources
   check_model(model)
   mesh = mesh or default_mesh()
   labels = split_labels(config, config.train_split)
@@ -405,7 +414,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--checkpoint', required=True, help='A .npz checkpoint, a training workdir, '
                       'or a published name (augreg:B/16; python -m vit_jax.checkpoint --list).')
   parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
-  parser.add_argument('--dataset', default=input_pipeline.EMBEDDED_DATASET,
+  parser.add_argument('--dataset', default=defaults.training_defaults().dataset,
                       help='fashion_mnist_embedded, an image folder or a tfds name.')
   parser.add_argument('--shots', default='1,5,10,25', help='Comma-separated k of k-shot.')
   parser.add_argument('--seeds', type=int, default=5, help='Shot choices averaged over.')
@@ -462,4 +471,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
-  sys.exit(main())
+  console.run(main)

@@ -55,7 +55,7 @@ class PeerWatch:
   def _read(self, process: int) -> str | None:
     try:
       return self._client.key_value_try_get(_key(process))
-    except Exception:  # pylint: disable=broad-except  (NOT_FOUND: no heartbeat written yet)
+    except Exception:  # NOT_FOUND: no heartbeat written yet.
       return None
 
   def _watch(self) -> None:
@@ -68,7 +68,7 @@ class PeerWatch:
       try:
         self._client.key_value_set(_key(self._me), str(beats), allow_overwrite=True)
         written = now
-      except Exception:  # pylint: disable=broad-except  (the store, in process 0, is gone)
+      except Exception:  # The store, in process 0, is gone.
         self._on_gone(0, now - written)
         return
       for process, (last, since) in list(seen.items()):

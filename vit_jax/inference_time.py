@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vit_jax import config as defaults
+from vit_jax import console
 from vit_jax import hardware
 from vit_jax import model_init
 from vit_jax import models
@@ -262,4 +263,4 @@ def main(argv=None):
 
 if __name__ == '__main__':
   hardware.keep_freed_host_memory()
-  main()
+  console.run(main)

@@ -9,13 +9,18 @@ image folders) permute a share exactly; tfds shards are read in file order and s
 buffer. `input_pipeline.py` turns shards into preprocessed batches.
 """
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
 import re
+import shutil
+import socket
 import types
 from typing import Callable, Iterator, Optional
+import urllib.parse
+import urllib.request
 
 from absl import logging
 import numpy as np
@@ -340,15 +345,33 @@ class TfdsSource:
 
   def _prepare(self, manual_dir: Optional[str]):
     logging.info('Preparing tfds dataset %s in %s', self._builder.name, self._builder.data_dir)
+    self._check_downloads_reachable(manual_dir)
     try:
-      self._builder.download_and_prepare(
-          download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+      with unfinished_files_removed(self._builder):
+        self._builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
     except Exception as e:
       raise ValueError(
           f'tfds dataset {self._builder.name!r} is not prepared in {self._builder.data_dir} and '
           f'preparing it failed: {e}. Set config.tfds_data_dir to where it is prepared, or, for '
           'datasets that need a manual download (e.g. imagenet2012), put the files into '
           'config.tfds_manual_dir.') from e
+
+  def _check_downloads_reachable(self, manual_dir: Optional[str]) -> None:
+    """Raises a one-line ValueError if a file the dataset still has to download is on a host
+    that cannot be connected to; tfds would retry it for minutes. Datasets with a manual
+    download are left to tfds, which names the files it needs."""
+    if self._builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
+      return
+    manual = manual_dir or os.path.join(self._builder.data_dir_root, 'downloads', 'manual')
+    for url, info in missing_downloads(self._builder, manual).items():
+      reason = unreachable(url)
+      if reason:
+        raise ValueError(
+            f'tfds dataset {self._builder.name!r} is not prepared in {self._builder.data_dir} '
+            f'and its download {url} cannot be reached ({reason}). Set config.tfds_data_dir to '
+            f'where it is prepared, or download the file yourself (tfds\'s manual download) '
+            f'into config.tfds_manual_dir (default {manual}) as {info.filename or "its name"}.')
 
   def num_examples(self, split: str) -> int:
     try:
@@ -395,6 +418,72 @@ class TfdsSource:
   def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
     return ValueError(f'Cannot decode an image of tfds dataset {self.name!r} split {split!r}: '
                       f'{short_message(error)}')
+
+
+CONNECT_TIMEOUT_S = 5.0  # How long a download's host may take to accept a connection.
+
+
+def missing_downloads(builder: tfds.core.DatasetBuilder, manual_dir: str) -> dict:
+  """{url: tfds UrlInfo} of the files `builder` downloads that are neither in `manual_dir` (by
+  their file name) nor downloaded already (where tfds keeps them, in DATA_DIR/downloads)."""
+  downloads = os.path.join(builder.data_dir_root, 'downloads')
+  folders = (os.path.join(downloads, builder.name), downloads)
+  missing = {}
+  for url, info in (builder.url_infos or {}).items():
+    names = {tfds.core.download.resource.get_dl_fname(url, checksum)
+             for checksum in (info.checksum, None)}
+    kept = [os.path.join(folder, name) for folder in folders for name in names]
+    if info.filename:
+      kept.append(os.path.join(manual_dir, info.filename))
+    if not any(os.path.exists(path) for path in kept):
+      missing[url] = info
+  return missing
+
+
+def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> Optional[str]:
+  """Why no connection to the host of `url` (or to the proxy the environment names for it)
+  opens within `timeout` seconds; None if one does, or for schemes other than http(s) and ftp."""
+  parts = urllib.parse.urlsplit(url)
+  ports = {'http': 80, 'https': 443, 'ftp': 21}
+  if parts.scheme not in ports or not parts.hostname:
+    return None
+  host, port = parts.hostname, parts.port or ports[parts.scheme]
+  proxy = urllib.request.getproxies().get(parts.scheme)
+  if proxy and not urllib.request.proxy_bypass(host):
+    proxy_parts = urllib.parse.urlsplit(proxy if '://' in proxy else f'http://{proxy}')
+    host, port = proxy_parts.hostname, proxy_parts.port or ports.get(proxy_parts.scheme, 80)
+  try:
+    socket.create_connection((host, port), timeout=timeout).close()
+  except OSError as e:
+    return f'{host}:{port}: {e.strerror or str(e) or type(e).__name__}'
+  return None
+
+
+@contextlib.contextmanager
+def unfinished_files_removed(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
+  """If the block raises, removes what it left unfinished in the folders where tfds downloads,
+  extracts and prepares `builder`'s dataset: entries added to them that are tfds's temporary
+  ones (`*.tmp.*`, `*.incomplete*`) or empty folders, and the data folder itself if the block
+  made it and left it empty. Finished downloads stay, for the next try to use."""
+  root = str(builder.data_dir_root)
+  downloads = os.path.join(root, 'downloads')
+  folders = [os.path.join(downloads, builder.name), os.path.join(downloads, 'extracted'),
+             os.path.join(root, builder.name), downloads, root]  # Deepest first.
+  before = {folder: set(os.listdir(folder)) if os.path.isdir(folder) else None
+            for folder in folders}
+  try:
+    yield
+  except BaseException:
+    for folder, names in before.items():
+      for name in set(os.listdir(folder)) - (names or set()) if os.path.isdir(folder) else ():
+        path = os.path.join(folder, name)
+        if '.tmp.' in name or '.incomplete' in name:
+          shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isdir(path) and not os.listdir(path):
+          os.rmdir(path)
+    if before[root] is None and os.path.isdir(root) and not os.listdir(root):
+      os.rmdir(root)
+    raise
 
 
 def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '') -> Exception:

@@ -160,7 +160,7 @@ def exit_for_gone_process(workdir: str, process: int, seconds: float) -> None:
       f'To resume from it, start all {jax.process_count()} processes again with their '
       f'commands, this one: {resume_command(workdir)}\n')
   sys.stderr.flush()
-  os._exit(1)  # pylint: disable=protected-access
+  os._exit(1)
 
 
 def define_config_flag() -> None:
@@ -295,10 +295,9 @@ def main(argv):
   except validation.ConfigError as e:
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
-  with contextlib.nullcontext() if log_all else console.native_info_lines_dropped():
-    from vit_jax import input_pipeline_sources
-    from vit_jax import train  # It imports TensorFlow.
-    from vit_jax import train_checkpoints
+  from vit_jax import input_pipeline_sources
+  from vit_jax import train  # It imports TensorFlow.
+  from vit_jax import train_checkpoints
   peers = (heartbeats.PeerWatch(functools.partial(exit_for_gone_process, workdir)).start()
            if jax.process_count() > 1 else None)
   try:

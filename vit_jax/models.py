@@ -9,6 +9,7 @@ import jax
 import ml_collections
 
 from vit_jax import config as default_config
+from vit_jax import console
 from vit_jax import model_init
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS, TRANSFORMER_DEFAULTS
@@ -236,4 +237,4 @@ def listed_model_configs() -> list[tuple[str, ml_collections.ConfigDict]]:
 
 
 if __name__ == '__main__':
-  main()
+  console.run(main)

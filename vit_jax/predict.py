@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import checkpoint
+from vit_jax import console
 
 BATCH_SIZE = 16
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
@@ -132,4 +133,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)

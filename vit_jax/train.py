@@ -771,7 +771,7 @@ class PreemptionWatcher:
       if self.signal_name is not None:
         self._stop_evaluation()
       yield
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       if self.signal_name is None or isinstance(e, EvaluationStopped):
         raise
       # Ours, wrapped by a library (AutoGraph re-raises it as a StagingError).

@@ -88,8 +88,13 @@ class Checkpoints:
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.keep = keep or None
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
+    # The items' handlers named up front, so that the manager reads their metadata from the
+    # step's folder (`has_ema`) before any save or restore has registered them.
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_handlers={'state': ocp.StandardCheckpointHandler(),
+                                       'data': ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(
+            create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
     self._pending = None  # The step of the save not yet confirmed.
     # The step whose save failed, if one did: its abandoned tasks may log and write until exit.
     self._failed = None
@@ -126,7 +131,7 @@ class Checkpoints:
     step, self._pending = self._pending, None
     try:
       self.manager.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except  (the save's error, from its thread)
+    except Exception as e:  # The save's error, from its thread.
       self._errors.reason = self._errors.reason or _reason(e)
       self._fail(step)
     self.manager.reload()
@@ -169,7 +174,7 @@ class Checkpoints:
     close) is already reported."""
     try:
       self.manager.close()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       if self._failed is None:
         raise
 
@@ -208,9 +213,7 @@ class Checkpoints:
 
   def has_ema(self, step: int) -> bool:
     """Whether the train state saved at `step` holds an EMA of the params."""
-    with ocp.StandardCheckpointer() as checkpointer:
-      saved = checkpointer.metadata(os.path.join(self.directory, str(step), 'state'))
-    return saved.item_metadata.tree.get('ema') is not None
+    return self.manager.item_metadata(step).state.tree.get('ema') is not None
 
   def set_aside(self, step: int, folder: str) -> None:
     """Moves the checkpoint of `step` to `WORKDIR/folder/STEP` (kept, but not resumed from)."""

@@ -41,6 +41,7 @@ from PIL import Image
 
 from vit_jax import analysis
 from vit_jax import checkpoint
+from vit_jax import console
 from vit_jax import positions
 from vit_jax import predict
 from vit_jax import published
@@ -358,4 +359,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  console.run(main)
