@@ -111,6 +111,21 @@ def test_a_cpu_host_with_libtpu_installed_still_gets_one_device_per_core():
   assert run.stderr == ''  # No line of libtpu's.
 
 
+# Prints whether skip_absent_tpu acted, JAX's devices, and whether libtpu got loaded.
+LIBTPU_LOADED = textwrap.dedent('''
+    from vit_jax import hardware
+    print(hardware.skip_absent_tpu())
+    import jax
+    print(jax.devices()[0].platform, 'libtpu' in open('/proc/self/maps').read())
+''')
+
+
+def test_a_cpu_host_leaves_libtpu_unloaded_and_its_lock_file_free():
+  # Loaded, libtpu would take /tmp/libtpu_lockfile until the process ends, and keep every other
+  # process (vit_jax.plan) from compiling for TPUs meanwhile.
+  assert run_python(LIBTPU_LOADED, JAX_PLATFORMS='').split() == ['True', 'cpu', 'False']
+
+
 @pytest.mark.parametrize('env, devices', [
     ({'XLA_FLAGS': '--xla_force_host_platform_device_count=5'}, '5'),
     ({'XLA_FLAGS': '', 'JAX_NUM_CPU_DEVICES': '3'}, '3'),

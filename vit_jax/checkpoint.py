@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 import scipy.ndimage
 
+from vit_jax import hardware
 from vit_jax import models
 from vit_jax import mpp
 from vit_jax import positions
@@ -624,4 +625,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   sys.exit(main())

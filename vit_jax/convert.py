@@ -30,6 +30,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 from vit_jax import checkpoint
+from vit_jax import hardware
 from vit_jax import models
 from vit_jax import models_vit
 from vit_jax import torch_layout
@@ -248,4 +249,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   sys.exit(main())

@@ -36,6 +36,7 @@ import numpy as np
 import safetensors.numpy
 
 from vit_jax import checkpoint
+from vit_jax import hardware
 from vit_jax import models_vit
 from vit_jax import predict
 from vit_jax import published
@@ -293,4 +294,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   sys.exit(main())

@@ -449,5 +449,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   hardware.keep_freed_host_memory()
   sys.exit(main())

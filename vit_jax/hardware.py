@@ -61,6 +61,21 @@ def tpu_chips_attached() -> int:
   return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
+def skip_absent_tpu() -> bool:
+  """Keeps JAX from starting libtpu where JAX would run on the CPU anyway (`only_cpu_backend`).
+
+  With libtpu installed (it compiles for TPUs: vit_jax.plan) and JAX_PLATFORMS unset, JAX tries
+  its TPU backend in every process, chips or not: it loads libtpu and takes libtpu's lock file of
+  the whole host (/tmp/libtpu_lockfile) for the life of the process, so that no other process
+  gets the TPU compiler meanwhile. This sets `jax_platforms` to 'cpu' instead. Call it before the
+  first JAX computation (the command-line tools call it first thing). Returns whether it did.
+  """
+  if jax.config.jax_platforms or not only_cpu_backend():
+    return False
+  jax.config.update('jax_platforms', 'cpu')
+  return True
+
+
 def keep_freed_host_memory() -> bool:
   """Makes glibc's malloc keep the memory that XLA:CPU frees, for its next step to reuse.
 

@@ -255,5 +255,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   hardware.keep_freed_host_memory()
   main()

@@ -253,6 +253,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   # Registered first, so run last: at exit the interpreter's garbage collection then skips the
   # objects of the imported libraries (TensorFlow's, JAX's). Collecting them took 1.2 s of the
   # exit after importing train, and about 3 s after a tiny 60-step run, on a 2-core CPU

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vit_jax import hardware
 from vit_jax import models_vit
 from vit_jax.registry import MODEL_CONFIGS
 
@@ -228,4 +229,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   main()

@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import checkpoint
+from vit_jax import hardware
 
 BATCH_SIZE = 16
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
@@ -125,4 +126,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   sys.exit(main())

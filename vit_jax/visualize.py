@@ -42,6 +42,7 @@ from PIL import Image
 
 from vit_jax import analysis
 from vit_jax import checkpoint
+from vit_jax import hardware
 from vit_jax import positions
 from vit_jax import predict
 from vit_jax import published
@@ -349,4 +350,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   sys.exit(main())
