@@ -19,28 +19,22 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 import ml_collections
-import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax import fewshot
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import mpp
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
 from vit_jax.train_checkpoints import Checkpoints
-from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
+from vit_jax.train_step import TrainState, create_train_state
 from vit_jax.train_step import jit_train_step, make_optimizer
-from vit_jax.validation import ConfigError, data_parallel_size, mesh_error, pretrained_file
-from vit_jax.validation import validate_config
-
-
-# Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
-# compute without changing their shapes. The others are the config's to choose (classes,
-# dropout) or must match it (the shapes, which load_pretrained checks).
-PRETRAINED_FIELDS = ('approximate_gelu',)
+# The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
+# vit_jax.plan to compile the same step.
+from vit_jax.train_setup import build_model, make_mesh, objective_eval_step
+from vit_jax.train_setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
+from vit_jax.validation import ConfigError, pretrained_file, validate_config
 
 
 class NonFiniteError(RuntimeError):
@@ -54,67 +48,11 @@ class NonFiniteError(RuntimeError):
 # Setup.
 
 
-def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
-  """A ('data', 'model') mesh over `devices` (all by default); `mesh.data = -1` takes the rest."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
-  if error := mesh_error(config, devices.size):
-    raise ConfigError(error)
-  return Mesh(devices.reshape(data_parallel_size(config, devices.size), config.mesh.model),
-              ('data', 'model'))
-
-
-def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
-  """The PRETRAINED_FIELDS of the model spec saved in `config.pretrained_path` (e.g. the exact
-  GELU of converted Hugging Face or timm weights); for files without a spec, the fields of a
-  FILE.overrides.json next to it (deprecated); {} without either."""
-  if not config.pretrained_path:
-    return {}
-  try:
-    spec = checkpoint.read_spec(pretrained_file(config))
-    if spec is None:
-      return checkpoint.load_model_overrides(pretrained_file(config))
-    return {f: spec['model'][f] for f in PRETRAINED_FIELDS if f in spec.get('model', {})}
-  except (checkpoint.CheckpointError, FileNotFoundError) as e:
-    raise ConfigError(str(e)) from None
-
-
-def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  """The VisionTransformer of `config.model` with the config's dtype, scan, remat and attention
-  settings (`auto` resolved for jax.devices()) and the PRETRAINED_FIELDS of the pretrained
-  checkpoint; an mpp.MaskedPatchViT under the masked-patch-prediction objective."""
-  model = models.get_model(config.model, num_classes=num_classes, **{
-      **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
-      'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
-      'posemb': config.posemb,
-      'attention': models_vit.resolve_attention(config.attention, jax.devices())})
-  if config.objective == 'masked_patch_prediction':
-    return mpp.with_mpp(model, config.mpp.target)
-  return model
-
-
 def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
   images = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
   return jax.jit(lambda rng: model.init(rng, images, train=False)['params'])(
       jax.random.PRNGKey(config.seed))
-
-
-def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), correct_top5
-  (label among the 5 highest logits; all with fewer than 5 classes), loss, count."""
-
-  def eval_step(params, batch):
-    logits = model.apply({'params': params}, batch['image'], train=False)
-    mask = batch['mask'].astype(jnp.float32)
-    labels = batch['label']
-    _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
-    top5_hit = jnp.any(top5 == labels[:, None], axis=-1)
-    return {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-            'correct_top5': jnp.sum(top5_hit * mask),
-            'loss': jnp.sum(cross_entropy(logits, labels) * mask),
-            'count': jnp.sum(mask)}
-
-  return eval_step
 
 
 def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collections.ConfigDict:
@@ -364,8 +302,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
   train_step = jit_train_step(model, optimizer, config, mesh, shardings)
-  eval_step = jax.jit(mpp.make_eval_step(model, config)
-                      if config.objective == 'masked_patch_prediction' else make_eval_step(model))
+  eval_step = jax.jit(objective_eval_step(model, config))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
