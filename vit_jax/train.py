@@ -22,6 +22,7 @@ import ml_collections
 
 from vit_jax import checkpoint
 from vit_jax import fewshot
+from vit_jax import fit
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import models
@@ -29,7 +30,7 @@ from vit_jax import models
 # state in vit_jax.train_checkpoints.
 from vit_jax.train_checkpoints import Checkpoints
 from vit_jax.train_step import TrainState, create_train_state
-from vit_jax.train_step import jit_train_step, make_optimizer
+from vit_jax.train_step import make_optimizer
 # The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
 # vit_jax.plan to compile the same step.
 from vit_jax.train_setup import build_model, make_mesh, objective_eval_step
@@ -254,6 +255,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
+  limit, where = fit.device_memory_limit(mesh.devices.flat[0])
+  if config.accum_steps == 'auto':
+    config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
+    logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
+                 config.accum_steps)
   model = build_model(config, info.num_classes)
   if config.fewshot.datasets:
     check_fewshot_model(model)
@@ -301,7 +307,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
 
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
-  train_step = jit_train_step(model, optimizer, config, mesh, shardings)
+  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   eval_step = jax.jit(objective_eval_step(model, config))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).

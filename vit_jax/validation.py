@@ -50,6 +50,9 @@ def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> s
   """Why the batches (and micro-batches) of `config` do not split evenly over `data_devices`
   data-parallel devices, or None where they do; one sentence per batch that does not."""
   errors = []
+  if config.accum_steps == 'auto':  # Chosen among the divisors of the batch per device.
+    config = config.copy_and_resolve_references()
+    config.accum_steps = 1
   if config.batch % (data_devices * config.accum_steps):
     errors.append(f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
                   f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
@@ -75,8 +78,13 @@ POSITIVE_FIELDS = ('total_steps', 'batch', 'batch_eval', 'accum_steps', 'progres
 
 def values_error(config: ml_collections.ConfigDict) -> str | None:
   """Why a field value of `config` cannot work on any devices, or None where all can."""
+  if not (config.accum_steps == 'auto' or isinstance(config.accum_steps, int)):
+    return (f'config.accum_steps={config.accum_steps!r} must be a number of micro-batches, '
+            "e.g. 4, or 'auto'.")
   for field in POSITIVE_FIELDS:
     value = functools.reduce(getattr, field.split('.'), config)
+    if value == 'auto':
+      continue
     if not value > 0:
       return f'config.{field}={value!r} must be greater than 0.'
   if config.mesh.data != -1 and config.mesh.data < 1:
