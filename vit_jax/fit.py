@@ -47,8 +47,9 @@ class StepMemory:
             + self.code_bytes)
 
   def describe(self) -> str:
-    """'12.3 GiB', or the compiler's figures where it refused."""
-    return refusal_figure(self.refusal) if self.refusal else size(self.total_bytes)
+    """'12.3 GiB per device', or the compiler's figures where it refused."""
+    return refusal_figure(self.refusal) if self.refusal else f'{size(self.total_bytes)} per device'
+
 
 
 def size(num_bytes: float) -> str:
@@ -65,11 +66,16 @@ def memory_of(compiled) -> StepMemory:
 
 
 def refusal_figure(message: str) -> str:
-  """The figures in a compiler's out-of-memory message ('Used 20.51G of 15.75G hbm'), or its
-  first line."""
-  match = re.search(r'Used [\d.]+\w? of [\d.]+\w? \w+', message)
+  """The need in a compiler's out-of-memory message, as the compiler put it: '51.40G for HLO
+  temporaries (the compiler's figure; 15.75G HBM available)', or the message's first line."""
+  match = re.search(r'required for ([\w ]+?) \(([\d.]+\w?)\) exceeds available (\w+) '
+                    r'\(([\d.]+\w?)\)', message)
   if match:
-    return match[0]
+    return (f"{match[2]} for {match[1]} per device (the compiler's figure; {match[4]} "
+            f'{match[3]} available)')
+  match = re.search(r'Used ([\d.]+\w?) of ([\d.]+\w?) (\w+)', message)
+  if match:
+    return f"{match[1]} per device (the compiler's figure; {match[2]} {match[3]} available)"
   return message.strip().splitlines()[0][:200]
 
 
@@ -117,7 +123,7 @@ def device_memory_limit(device) -> tuple[int, str]:
 def with_field(config: ml_collections.ConfigDict, field: str, value) -> ml_collections.ConfigDict:
   """A copy of `config` with `field` set to `value`."""
   config = config.copy_and_resolve_references()
-  with config.unlocked():
+  with config.ignore_type():  # accum_steps: 'auto' or an int.
     config[field] = value
   return config
 
@@ -153,7 +159,7 @@ def alternatives(config: ml_collections.ConfigDict, data_devices: int,
             if k > config.accum_steps]
   fitting, used = smallest_that_fits(larger, memory, limit)
   if fitting is not None:
-    found.append(f'--config.accum_steps={fitting.accum_steps} ({used.describe()})')
+    found.append(f'--config.accum_steps={fitting.accum_steps} ({size(used.total_bytes)})')
   changes = []
   if config.remat_policy != 'nothing_saveable':
     changes.append(('remat_policy', 'nothing_saveable'))
@@ -162,7 +168,7 @@ def alternatives(config: ml_collections.ConfigDict, data_devices: int,
   for field, value in changes:
     used = memory(with_field(config, field, value))
     if used.refusal is None and used.total_bytes <= limit:
-      found.append(f'--config.{field}={value} ({used.describe()})')
+      found.append(f'--config.{field}={value} ({size(used.total_bytes)})')
   return found
 
 
@@ -177,7 +183,7 @@ def check(config: ml_collections.ConfigDict, data_devices: int,
     return used
   options = alternatives(config, data_devices, memory, limit)
   raise FitError(
-      f'The training step needs {used.describe()} per device, more than the '
+      f'The training step needs {used.describe()}, more than the '
       f'{size(limit)} of {where}. '
       + (f'It would fit with {" or ".join(options)}.' if options else
          'No larger config.accum_steps, config.remat_policy=nothing_saveable or '

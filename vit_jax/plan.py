@@ -139,8 +139,11 @@ def use_tpu_compiler_only(topology: Topology) -> None:
   """Sets this process up to compile for `topology` with libtpu without claiming any TPU: JAX
   runs on the CPU; libtpu takes no host-wide lock (it may share the host with a run on its
   chips, or another plan) and is told the accelerator type and hosts, which it would otherwise
-  look up, warn about and fail to find off a TPU VM. Call it before JAX starts."""
+  look up, warn about and fail to find off a TPU VM; JAX's persistent compilation cache stays
+  off. Call it before JAX starts."""
   jax.config.update('jax_platforms', 'cpu')
+  # Its executables need a TPU client to be read back from JAX's persistent cache.
+  jax.config.update('jax_enable_compilation_cache', False)
   os.environ['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', topology.name)

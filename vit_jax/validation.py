@@ -52,7 +52,8 @@ def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> s
   errors = []
   if config.accum_steps == 'auto':  # Chosen among the divisors of the batch per device.
     config = config.copy_and_resolve_references()
-    config.accum_steps = 1
+    with config.ignore_type():
+      config.accum_steps = 1
   if config.batch % (data_devices * config.accum_steps):
     errors.append(f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
                   f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
