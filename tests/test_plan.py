@@ -1,5 +1,6 @@
 """Tests of vit_jax.plan (the train step compiled for Cloud TPU slices that are not here) and of
 vit_jax.fit (the check that a step fits its devices' memory, in plan and in main)."""
+import ast
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from vit_jax import config as defaults
 from vit_jax import fit
 from vit_jax import models
 from vit_jax import plan
+from vit_jax import registry
 from vit_jax import train_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,3 +186,23 @@ def test_main_stops_a_batch_beyond_the_hosts_memory_with_one_line(tmp_path):
   assert last.startswith('Config error: The training step needs ') and 'Traceback' not in run.stderr
   assert "of the host's available memory" in last and '--config.accum_steps=' in last
   assert not (tmp_path / 'checkpoints').exists() or not os.listdir(tmp_path / 'checkpoints')
+
+
+def notebook_config():
+  """The training config of notebooks/vit_jax.ipynb, as its cells define it (its settings cell
+  and its `notebook_config` function, run without the training that follows it)."""
+  with open(os.path.join(ROOT, 'notebooks', 'vit_jax.ipynb')) as f:
+    cells = [''.join(cell['source']) for cell in json.load(f)['cells']
+             if cell['cell_type'] == 'code']
+  namespace = {'defaults': defaults, 'registry': registry, 'QUICK': False}
+  exec(next(cell for cell in cells if 'IMAGE_SIZES = ' in cell), namespace)  # pylint: disable=exec-used
+  function = next(node for cell in cells if 'def notebook_config' in cell
+                  for node in ast.parse(cell).body
+                  if isinstance(node, ast.FunctionDef) and node.name == 'notebook_config')
+  exec(compile(ast.Module([function], []), 'notebook', 'exec'), namespace)  # pylint: disable=exec-used
+  return namespace['notebook_config']()
+
+
+def test_the_notebooks_training_step_compiles_for_colabs_single_v5e_chip():
+  result = plan.plan(notebook_config(), plan.parse_topology('v5e-1'), 10)
+  assert result['fits'] and result['topology']['chips'] == 1 and result['eval']['fits']
