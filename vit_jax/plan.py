@@ -281,7 +281,7 @@ def summary(result: dict) -> str:
            f"{gib(chip['hbm_bytes'])} HBM: {'fits' if result['fits'] else 'does not fit'}"]
   if result['fits']:
     lines += [f"  FLOPs per step per chip {result['flops_per_step_per_chip']:.3g}; roofline "
-              f"step {result['roofline_step_seconds'] * 1e3:.1f} ms, at most "
+              f"step {result['roofline_step_seconds'] * 1e3:.3g} ms, at most "
               f"{result['roofline_images_per_second_per_chip']:.0f} images/s per chip",
               f"  evaluation step: {gib(result['eval']['total_bytes'])} per chip"
               f"{'' if result['eval']['fits'] else ', does not fit'}"]
