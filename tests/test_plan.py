@@ -24,13 +24,19 @@ TINY_CONFIG = os.path.join(ROOT, 'tests', 'tiny_config.py')
 
 @pytest.fixture(scope='module', autouse=True)
 def tpu_compiler():
-  """libtpu set up as vit_jax.plan sets it up (its environment, before it loads)."""
-  with pytest.MonkeyPatch.context() as patch:
-    for name in ('ALLOW_MULTIPLE_LIBTPU_LOAD', 'TPU_SKIP_MDS_QUERY', 'TPU_ACCELERATOR_TYPE',
-                 'TPU_WORKER_HOSTNAMES'):
-      patch.delenv(name, raising=False)
-    plan.use_tpu_compiler_only(plan.parse_topology('v5e-4'))
-    yield
+  """libtpu set up as vit_jax.plan sets it up (its environment, before it loads); the other
+  tests of this process get their environment and compilation cache back."""
+  cache = jax.config.jax_enable_compilation_cache
+  names = ('ALLOW_MULTIPLE_LIBTPU_LOAD', 'TPU_SKIP_MDS_QUERY', 'TPU_ACCELERATOR_TYPE',
+           'TPU_WORKER_HOSTNAMES')
+  before = {name: os.environ.pop(name, None) for name in names}
+  plan.use_tpu_compiler_only(plan.parse_topology('v5e-4'))
+  yield
+  for name, value in before.items():
+    os.environ.pop(name, None)
+    if value is not None:
+      os.environ[name] = value
+  jax.config.update('jax_enable_compilation_cache', cache)
 
 
 def user_env() -> dict:

@@ -226,13 +226,13 @@ def step_memory(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int)
 def checked_train_step(config: ml_collections.ConfigDict, model, optimizer, mesh: Mesh,
                        shardings, state):
   """`jit_train_step` compiled for `state` and the batches of `config`, before the first step;
-  FitError (one line: need, limit, what would fit) where it does not fit the memory of the
-  mesh's devices (`device_memory_limit`)."""
+  FitError (one line: need, limit, what would fit) where it does not fit the memory of this
+  process's devices of the mesh (`device_memory_limit`; only those report their memory)."""
   step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   compiled, refusal = compile_or_refusal(
       lambda: step.lower(state, train_step.abstract_batch(config, mesh)))
   used = StepMemory(refusal=refusal) if compiled is None else memory_of(compiled)
-  limit, where = device_memory_limit(mesh.devices.flat[0])
+  limit, where = device_memory_limit(mesh.local_devices[0])
   check(config, data_parallel_size(config, mesh.size),
         lambda c: step_memory(c, mesh, model.num_classes), limit, where, used)
   return compiled

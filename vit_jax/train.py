@@ -255,7 +255,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
-  limit, where = fit.device_memory_limit(mesh.devices.flat[0])
+  limit, where = fit.device_memory_limit(mesh.local_devices[0])
   if config.accum_steps == 'auto':
     config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
     logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
