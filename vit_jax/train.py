@@ -307,7 +307,6 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
 
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
-  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   eval_step = jax.jit(objective_eval_step(model, config))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
@@ -318,6 +317,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
                  config.total_steps)
     return state, with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
                            state)
+  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
