@@ -1,10 +1,12 @@
 """Tests of vit_jax/hardware.py: peaks, one device per core, and keeping freed host memory."""
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 
 import jax
+from jax._src import hardware_utils
 import jax.numpy as jnp
 import pytest
 
@@ -94,6 +96,34 @@ def test_a_cpu_host_gets_one_device_per_core_that_fits(batch, cores, devices):
     pytest.skip(f'needs {cores} cores, this process may use {len(allowed)}')
   out = run_python(DEVICES_PER_CORE, str(batch), *map(str, allowed[:cores]), XLA_FLAGS='')
   assert out.split() == [devices, devices]
+
+
+def test_a_cpu_host_with_libtpu_installed_still_gets_one_device_per_core():
+  # As a user runs a command: no JAX_PLATFORMS. requirements-test.txt installs libtpu (to compile
+  # for TPUs), which JAX leaves unstarted on a host without TPU chips; nor does vit_jax count it.
+  assert importlib.util.find_spec('libtpu')
+  assert hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0
+  allowed = sorted(os.sched_getaffinity(0))[:2]
+  run = subprocess.run([sys.executable, '-c', DEVICES_PER_CORE, '6', *map(str, allowed)],
+                       env={**os.environ, 'XLA_FLAGS': '', 'JAX_PLATFORMS': ''},
+                       check=True, capture_output=True, text=True)
+  assert run.stdout.split() == [str(len(allowed))] * 2
+  assert run.stderr == ''  # No line of libtpu's.
+
+
+# Prints whether skip_absent_tpu acted, JAX's devices, and whether libtpu got loaded.
+LIBTPU_LOADED = textwrap.dedent('''
+    from vit_jax import hardware
+    print(hardware.skip_absent_tpu())
+    import jax
+    print(jax.devices()[0].platform, 'libtpu' in open('/proc/self/maps').read())
+''')
+
+
+def test_a_cpu_host_leaves_libtpu_unloaded_and_its_lock_file_free():
+  # Loaded, libtpu would take /tmp/libtpu_lockfile until the process ends, and keep every other
+  # process (vit_jax.plan) from compiling for TPUs meanwhile.
+  assert run_python(LIBTPU_LOADED, JAX_PLATFORMS='').split() == ['True', 'cpu', 'False']
 
 
 @pytest.mark.parametrize('env, devices', [

@@ -62,7 +62,8 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Optimisation.
   config.batch = 512
   config.batch_eval = 512
-  config.accum_steps = 1
+  # An int, or 'auto': the fewest micro-batches whose step fits the devices' memory (vit_jax.fit).
+  config.accum_steps = ml_collections.FieldReference(1, field_type=object)
   config.total_steps = 10_000
   config.warmup_steps = 500
   config.optimizer = 'sgd'
@@ -195,7 +196,8 @@ FIELD_HELP = {
     'pretrained_keep_head': "Keep the checkpoint's head (same classes) instead of a new one.",
     'batch': 'Global batch: examples per update, over all devices.',
     'batch_eval': 'Global batch of evaluation.',
-    'accum_steps': 'Micro-batches per update (gradient accumulation); divides batch.',
+    'accum_steps': "Micro-batches per update (gradient accumulation); divides batch. 'auto': "
+                   'the fewest whose step fits the memory of the devices.',
     'total_steps': 'Updates to train for.',
     'warmup_steps': 'Updates of linear learning-rate warmup from 0.',
     'optimizer': "'sgd' (momentum, bfloat16 accumulator) or 'adamw'.",
@@ -283,7 +285,7 @@ FIELD_RANGES = {
     'pp.area_min': Range(float, 0, 1, open='low'),
     'batch': POSITIVE_INT,
     'batch_eval': POSITIVE_INT,
-    'accum_steps': POSITIVE_INT,
+    'accum_steps': Range(int, 0, open='low', special=(('auto', 'the fewest that fit'),)),
     'total_steps': POSITIVE_INT,
     'warmup_steps': Range(int, 0),
     'base_lr': Range(float, 0, open='low'),

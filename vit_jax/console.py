@@ -22,6 +22,8 @@ from typing import Callable, Iterator, NoReturn, Optional, TextIO
 
 import tqdm
 
+from vit_jax import hardware
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -180,6 +182,8 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
 def run(main: Callable[[], Optional[int]]) -> NoReturn:
   """Runs a command line's `main` (argv from sys.argv) in the quiet console and exits with the
   status it returns: the start of every `python -m vit_jax.COMMAND` but `vit_jax.main`, whose
-  flags choose between quiet and `--log_all`."""
+  flags choose between quiet and `--log_all`. JAX stays off an installed libtpu on a host
+  without TPU chips (`hardware.skip_absent_tpu`)."""
+  hardware.skip_absent_tpu()
   setup(log_all=False)
   sys.exit(main())

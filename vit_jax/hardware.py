@@ -17,6 +17,7 @@ import time
 from typing import Callable, TypeVar
 
 import jax
+from jax._src import hardware_utils  # The PCI scan JAX runs before it starts libtpu.
 import jax.numpy as jnp
 
 # Published dense peaks per chip in FLOP/s: (bfloat16, float32). float32 on NVIDIA tensor cores
@@ -47,12 +48,34 @@ def only_cpu_backend() -> bool:
   """Whether JAX will run on the host CPU, decided without starting a backend.
 
   True when JAX_PLATFORMS (`jax.config.jax_platforms`) names 'cpu' first, or when it names
-  nothing and no accelerator plugin (CUDA, ROCm: `jax_plugins`; TPU: `libtpu`) is installed.
+  nothing and no accelerator plugin (CUDA, ROCm: `jax_plugins`) is installed and no TPU chip is
+  attached. An installed libtpu alone does not count: JAX starts it only where its PCI scan
+  finds a TPU chip, and a CPU host may have it installed to compile for TPUs (vit_jax.plan).
   """
   if jax.config.jax_platforms:
     return jax.config.jax_platforms.split(',')[0] == 'cpu'
-  return not (importlib.util.find_spec('jax_plugins') or importlib.util.find_spec('libtpu')
+  return not (importlib.util.find_spec('jax_plugins') or tpu_chips_attached()
               or importlib.metadata.entry_points(group='jax_plugins'))
+
+
+def tpu_chips_attached() -> int:
+  """The TPU chips on this host's PCI bus, found as JAX finds them before it starts libtpu."""
+  return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+def skip_absent_tpu() -> bool:
+  """Keeps JAX from starting libtpu where JAX would run on the CPU anyway (`only_cpu_backend`).
+
+  With libtpu installed (it compiles for TPUs: vit_jax.plan) and JAX_PLATFORMS unset, JAX tries
+  its TPU backend in every process, chips or not: it loads libtpu and takes libtpu's lock file of
+  the whole host (/tmp/libtpu_lockfile) for the life of the process, so that no other process
+  gets the TPU compiler meanwhile. This sets `jax_platforms` to 'cpu' instead. Call it before the
+  first JAX computation (the command-line tools call it first thing). Returns whether it did.
+  """
+  if jax.config.jax_platforms or not only_cpu_backend():
+    return False
+  jax.config.update('jax_platforms', 'cpu')
+  return True
 
 
 def keep_freed_host_memory() -> bool:

@@ -330,10 +330,10 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  hardware.skip_absent_tpu()
   # Registered first, so run last: at exit the interpreter's garbage collection then skips the
-  # objects of the imported libraries (TensorFlow's, JAX's). Collecting them took 1.2 s of the
-  # exit after importing train, and about 3 s after a tiny 60-step run, on a 2-core CPU
-  # (2026-12-01). Files are closed and saves finished before that.
+  # objects of the imported libraries (TensorFlow's, JAX's), which took seconds to collect.
+  # Files are closed and saves finished before that.
   atexit.register(gc.freeze)
   hardware.keep_freed_host_memory()
   sys.unraisablehook = drop_closed_event_loop_errors

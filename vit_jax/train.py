@@ -20,32 +20,27 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 import ml_collections
-import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import fewshot
+from vit_jax import fit
 from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import model_init
 from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import mpp
 from vit_jax import registry
 from vit_jax.errors import ConfigError
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
 from vit_jax.train_checkpoints import Checkpoints, CheckpointSaveError
-from vit_jax.train_step import Batch, TrainState, create_train_state, cross_entropy
-from vit_jax.train_step import jit_train_step, make_optimizer
-from vit_jax.validation import data_parallel_size, mesh_error, pretrained_file
-from vit_jax.validation import validate_config
-
-
-# Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
-# compute without changing their shapes. The others are the config's to choose (classes,
-# dropout) or must match it (the shapes, which load_pretrained checks).
-PRETRAINED_FIELDS = ('approximate_gelu',)
+from vit_jax.train_step import TrainState, create_train_state
+from vit_jax.train_step import make_optimizer
+# The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
+# vit_jax.plan to compile the same step.
+from vit_jax.train_setup import build_model, make_mesh, objective_eval_step
+from vit_jax.train_setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
+from vit_jax.validation import pretrained_file, validate_config
 
 
 class NonFiniteError(RuntimeError):
@@ -59,71 +54,10 @@ class NonFiniteError(RuntimeError):
 # Setup.
 
 
-def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
-  """A ('data', 'model') mesh over `devices` (all by default); `mesh.data = -1` takes the rest."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
-  if error := mesh_error(config, devices.size):
-    raise ConfigError(error)
-  return Mesh(devices.reshape(data_parallel_size(config, devices.size), config.mesh.model),
-              ('data', 'model'))
-
-
-def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
-  """The PRETRAINED_FIELDS of the model spec saved in `config.pretrained_path` (e.g. the exact
-  GELU of converted Hugging Face or timm weights); for files without a spec, the fields of a
-  FILE.overrides.json next to it (deprecated); {} without either."""
-  if not config.pretrained_path:
-    return {}
-  try:
-    spec = checkpoint.read_spec(pretrained_file(config))
-    if spec is None:
-      return checkpoint.load_model_overrides(pretrained_file(config))
-    return {f: spec['model'][f] for f in PRETRAINED_FIELDS if f in spec.get('model', {})}
-  except (checkpoint.CheckpointError, FileNotFoundError) as e:
-    raise ConfigError(str(e)) from None
-
-
-def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  """The VisionTransformer of `config.model` with the config's dtype, scan, remat and attention
-  settings (`auto` resolved for jax.devices()) and the PRETRAINED_FIELDS of the pretrained
-  checkpoint; an mpp.MaskedPatchViT under the masked-patch-prediction objective."""
-  model = models.get_model(config.model, num_classes=num_classes, **{
-      **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
-      'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
-      'posemb': config.posemb,
-      'attention': models_vit.resolve_attention(config.attention, jax.devices())})
-  if config.objective == 'masked_patch_prediction':
-    return mpp.with_mpp(model, config.mpp.target)
-  return model
-
-
 def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
   return jax.jit(lambda rng: model_init.init_params(model, rng, image_size))(
       jax.random.PRNGKey(config.seed))
-
-
-TOP_K = 5  # Top-5 accuracy is reported for models of more classes than this only.
-
-
-def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), loss, count, and
-  with more than TOP_K classes correct_top5 (label among the TOP_K highest logits; with fewer
-  classes it would count every example)."""
-
-  def eval_step(params, batch):
-    logits = model.apply({'params': params}, batch['image'], train=False)
-    mask = batch['mask'].astype(jnp.float32)
-    labels = batch['label']
-    sums = {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-            'loss': jnp.sum(cross_entropy(logits, labels) * mask),
-            'count': jnp.sum(mask)}
-    if logits.shape[-1] > TOP_K:
-      _, top = jax.lax.top_k(logits, TOP_K)
-      sums['correct_top5'] = jnp.sum(jnp.any(top == labels[:, None], axis=-1) * mask)
-    return sums
-
-  return eval_step
 
 
 def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collections.ConfigDict:
@@ -450,6 +384,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = make_mesh(config)
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
+  limit, where = fit.device_memory_limit(mesh.local_devices[0])
+  if config.accum_steps == 'auto':
+    config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
+    logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
+                 config.accum_steps)
   model = build_model(config, info.num_classes)
   if plan:
     check_fewshot_model(model)
@@ -531,9 +470,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   A run that has already reached `config.total_steps` is evaluated once instead. Few-shot
   evaluation runs on the datasets and shots of `fewshot_shots` (`fewshot_plan`), where any.
   """
-  train_step = jit_train_step(model, optimizer, config, mesh, shardings)
-  eval_step = jax.jit(mpp.make_eval_step(model, config)
-                      if config.objective == 'masked_patch_prediction' else make_eval_step(model))
+  eval_step = jax.jit(objective_eval_step(model, config))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
@@ -555,6 +492,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
       return state, stop_evaluation(e, int(state.step), final=True)
     finally:
       preemption.close()
+  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
   flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9

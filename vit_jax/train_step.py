@@ -99,10 +99,8 @@ def ema_update(ema: Any, params: Any, decay: float) -> Any:
   return jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
 
 
-def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
-                       params: Any = None) -> tuple[TrainState, TrainState]:
-  """(state, its shardings), initialised on the devices; `params` replaces the fresh ones (they
-  enter the jitted init as arguments, not as constants compiled into it). With a
+def train_state_init(config, model, optimizer: Optimizer, image_size: int) -> Callable:
+  """init(rng, params) -> the TrainState at step 0; `params` None makes fresh ones. With a
   `config.ema_decay` the EMA starts as a copy of the initial params."""
   def init(rng, params):
     if params is None:
@@ -111,12 +109,44 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
                       opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                       ema=jax.tree.map(jnp.copy, params) if config.ema_decay else None)
 
-  rng = jax.random.PRNGKey(config.seed)
+  return init
+
+
+def abstract_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
+                         params: Any = None) -> tuple[TrainState, TrainState]:
+  """(state as ShapeDtypeStructs that carry their shardings, the shardings), as
+  `create_train_state` lays the state out on `mesh`, without making it."""
+  init = train_state_init(config, model, optimizer, image_size)
+  shapes = jax.eval_shape(init, jax.random.PRNGKey(config.seed), params)
   shardings = sharding.state_shardings(
-      jax.eval_shape(init, rng, params),
-      sharding.param_axes(sharding.declared_params(model, image_size)), mesh, config.sharding,
-      config.logical_axis_rules)
-  return jax.jit(init, out_shardings=shardings)(rng, params), shardings
+      shapes, sharding.param_axes(sharding.declared_params(model, image_size)), mesh,
+      config.sharding, config.logical_axis_rules)
+  return jax.tree.map(lambda leaf, place: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                               sharding=place),
+                      shapes, shardings), shardings
+
+
+def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_size: int,
+                       params: Any = None) -> tuple[TrainState, TrainState]:
+  """(state, its shardings), initialised on the devices; `params` replaces the fresh ones (they
+  enter the jitted init as arguments, not as constants compiled into it). With a
+  `config.ema_decay` the EMA starts as a copy of the initial params."""
+  _, shardings = abstract_train_state(config, model, optimizer, mesh, image_size, params)
+  init = train_state_init(config, model, optimizer, image_size)
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed), params), shardings
+
+
+def abstract_batch(config, mesh: Mesh, evaluation: bool = False) -> Batch:
+  """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
+  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch; for
+  `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  size, crop = (config.batch_eval if evaluation else config.batch), config.pp.crop
+  split = NamedSharding(mesh, P('data'))
+  batch = {'image': jax.ShapeDtypeStruct((size, crop, crop, 3), jnp.float32, sharding=split),
+           'label': jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split)}
+  if evaluation:
+    batch['mask'] = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split)
+  return batch
 
 
 def microbatches(batch: Batch, accum_steps: int) -> Batch:

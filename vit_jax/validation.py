@@ -48,6 +48,10 @@ def batch_split_error(config: ml_collections.ConfigDict, data_devices: int) -> s
   """Why the batches (and micro-batches) of `config` do not split evenly over `data_devices`
   data-parallel devices, or None where they do; one sentence per batch that does not."""
   errors = []
+  if config.accum_steps == 'auto':  # Chosen among the divisors of the batch per device.
+    config = config.copy_and_resolve_references()
+    with config.ignore_type():
+      config.accum_steps = 1
   if config.batch % (data_devices * config.accum_steps):
     errors.append(f'config.batch={config.batch} is not divisible by {data_devices} data-parallel '
                   f'devices x config.accum_steps={config.accum_steps}: make it a multiple of '
@@ -101,13 +105,18 @@ def _in_range(value, allowed: defaults.Range) -> bool:
           (high is None or (value < high if allowed.high_open else value <= high)))
 
 
+def _is_special(value, special) -> bool:
+  """Whether `value` is the special value `special`: None, a word ('auto') or a number."""
+  if special is None or isinstance(special, str):
+    return value == special
+  return _is_kind(value, float) and value == special
+
+
 def range_error(field: str, value, allowed: defaults.Range) -> str | None:
   """Why `value` of config `field` is not one `allowed` (vit_jax.config.FIELD_RANGES) takes, in
   one line, or None where it is."""
   special = [(v, meaning, _in_range(v, allowed)) for v, meaning in allowed.special]
-  if _in_range(value, allowed) or any(
-      value is None if v is None else _is_kind(value, float) and value == v
-      for v, _, _ in special):
+  if _in_range(value, allowed) or any(_is_special(value, v) for v, _, _ in special):
     return None
   kind = '' if _is_kind(value, allowed.kind) else (
       'an integer ' if allowed.kind is int else 'a number ')

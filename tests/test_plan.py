@@ -1,0 +1,214 @@
+"""Tests of vit_jax.plan (the train step compiled for Cloud TPU slices that are not here) and of
+vit_jax.fit (the check that a step fits its devices' memory, in plan and in main)."""
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import helpers
+from vit_jax import config as defaults
+from vit_jax import fit
+from vit_jax import models
+from vit_jax import plan
+from vit_jax import registry
+from vit_jax import train_setup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CONFIG = os.path.join(ROOT, 'tests', 'tiny_config.py')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def tpu_compiler():
+  """libtpu set up as vit_jax.plan sets it up (its environment, before it loads); the other
+  tests of this process get their environment and compilation cache back."""
+  cache = jax.config.jax_enable_compilation_cache
+  names = ('ALLOW_MULTIPLE_LIBTPU_LOAD', 'TPU_SKIP_MDS_QUERY', 'TPU_ACCELERATOR_TYPE',
+           'TPU_WORKER_HOSTNAMES')
+  before = {name: os.environ.pop(name, None) for name in names}
+  plan.use_tpu_compiler_only(plan.parse_topology('v5e-4'))
+  yield
+  for name, value in before.items():
+    os.environ.pop(name, None)
+    if value is not None:
+      os.environ[name] = value
+  jax.config.update('jax_enable_compilation_cache', cache)
+
+
+def user_env() -> dict:
+  """The environment of a user's shell: no JAX_PLATFORMS, and JAX's own device count."""
+  env = {name: value for name, value in os.environ.items() if name != 'JAX_PLATFORMS'}
+  env['XLA_FLAGS'] = helpers.xla_flags(None)
+  return env
+
+
+def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
+  out = tmp_path / 'plan.json'
+  # As a user runs it, and noting whether TensorFlow was imported.
+  code = ('import atexit, runpy, sys; atexit.register(lambda: print("tensorflow imported:", '
+          '"tensorflow" in sys.modules)); sys.argv[0] = "plan"; '
+          'runpy.run_module("vit_jax.plan", run_name="__main__")')
+  run = subprocess.run([sys.executable, '-c', code, f'--config={TINY_CONFIG}',
+                        '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  assert 'tensorflow imported: False' in run.stdout
+  assert 'TPU_ACCELERATOR_TYPE' not in run.stderr and 'Traceback' not in run.stderr
+  result = json.loads(out.read_text())
+  assert result['fits'] and result['topology']['chips'] == 4 and result['mesh']['data'] == 4
+  chip = result['per_chip']
+  assert chip['hbm_bytes'] == 16 * 10**9  # The v5e's 16 GB (Cloud TPU documentation).
+  assert 0 < chip['argument_bytes'] < chip['total_bytes'] < chip['hbm_bytes']
+  for key in ('temp_bytes', 'output_bytes', 'flops_per_step_per_chip',
+              'roofline_step_seconds', 'roofline_images_per_second_per_chip', 'compile_seconds'):
+    value = chip.get(key, result.get(key))
+    assert value > 0, key
+  assert result['versions']['libtpu'] == '0.0.42.1'
+
+
+@pytest.mark.parametrize('name, chips, hosts, grid', [
+    ('v4-8', 4, 1, (2, 2, 1)),  # v4 and v5p names count TensorCores, two a chip.
+    ('v4-4096', 2048, 512, (8, 16, 16)),
+    ('v5litepod-16', 16, 4, (4, 4)),
+    ('v5e-8', 8, 1, (2, 4)),
+    ('v5p-16', 8, 2, (2, 2, 2)),
+    ('v6e-256', 256, 64, (16, 16)),
+])
+def test_topology_names_map_to_chips_and_hosts_as_cloud_tpu_documents(name, chips, hosts, grid):
+  topology = plan.parse_topology(name)
+  assert (topology.chips, topology.hosts, topology.grid) == (chips, hosts, grid)
+
+
+@pytest.mark.parametrize('name', ['v5e-3', 'v4-4', 'v7-8', 'tpu'])
+def test_an_unknown_topology_is_one_line_naming_the_sizes(name):
+  with pytest.raises(plan.PlanError, match='topology'):
+    plan.parse_topology(name)
+
+
+def tpu_mesh(config, name, slices=1):
+  """The mesh of `config` over the compile-only devices of the slice `name`."""
+  return train_setup.make_mesh(config, plan.compile_only_devices(
+      plan.parse_topology(name, slices)))
+
+
+@pytest.mark.parametrize('strategy, model_axis', [
+    ('data', 1), ('fsdp', 1), ('tensor', 2), ('fsdp+tensor', 2)])
+def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_axis):
+  config = helpers.tiny_config(sharding=strategy)
+  config.mesh.model = model_axis
+  mesh = tpu_mesh(config, 'v5e-4')
+  compiled = fit.lower_train_step(config, mesh, 10).compile()
+  assert {d.platform for d in mesh.devices.flat} == {'tpu'}
+  assert dict(mesh.shape) == {'data': 4 // model_axis, 'model': model_axis}
+  assert 0 < fit.memory_of(compiled).total_bytes < plan.GENERATIONS['v5e'].hbm_bytes
+
+
+def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():
+  config = helpers.tiny_config(sharding='fsdp+tensor')
+  config.mesh.model = 4
+  mesh = tpu_mesh(config, 'v4-16')  # 8 chips on 2 hosts of 4.
+  assert {d.process_index for d in mesh.devices.flat} == {0, 1}
+  for row in mesh.devices:  # The chips of one 'model' group: all on one host.
+    assert len({d.process_index for d in row}) == 1
+  fit.lower_train_step(config, mesh, 10).compile()
+
+
+def test_a_2_slice_mesh_splits_only_data_across_the_slices():
+  config = helpers.tiny_config(sharding='fsdp')
+  mesh = tpu_mesh(config, 'v5e-4', slices=2)
+  slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert slices[:, 0].tolist() == [0] * 4 + [1] * 4  # 'data': a slice after the other.
+  fit.lower_train_step(config, mesh, 10).compile()
+
+
+def test_fsdp_on_4_chips_keeps_a_quarter_of_params_and_optimiser_state_per_chip():
+  config = defaults.with_model(defaults.training_defaults(), 'ViT-Ti_16')
+  config.update(dict(batch=8, batch_eval=8, sharding='fsdp', optimizer='adamw', ema_decay=0.0))
+  config.pp.crop = 32
+  mesh = tpu_mesh(config, 'v5e-4')
+  model = train_setup.build_model(config, 10)
+  # float32 params, and AdamW's two float32 moments of each.
+  total = models.count_params(model, config.pp.crop) * 4 * 3
+  assert plan.state_bytes(config, mesh, 10) == pytest.approx(total / 4, rel=0.1)
+
+
+# (batch per device, {accum_steps: bytes its step needs}, limit) -> accum_steps auto picks:
+# the fewest micro-batches (a divisor of the batch per device) whose step fits.
+AUTO_CASES = [
+    (16, {1: 90, 2: 50, 4: 30, 8: 20, 16: 15}, 100, 1),
+    (16, {1: 90, 2: 50, 4: 30, 8: 20, 16: 15}, 40, 4),
+    (16, {1: 90, 2: 50, 4: 30, 8: 20, 16: 15}, 15, 16),
+    (12, {1: 90, 2: 50, 3: 40, 4: 30, 6: 25, 12: 20}, 45, 3),
+    (12, {1: 90, 2: 50, 3: 40, 4: 30, 6: 25, 12: 20}, 24, 12),
+]
+
+
+@pytest.mark.parametrize('per_device, needs, limit, expected', AUTO_CASES)
+def test_accum_steps_auto_picks_the_fewest_micro_batches_that_fit(per_device, needs, limit,
+                                                                  expected):
+  config = helpers.tiny_config(batch=per_device * 4, accum_steps='auto')
+  memory = lambda c: fit.StepMemory(temp_bytes=needs[c.accum_steps])
+  assert fit.resolve_accum_steps(config, 4, memory, limit, 'test').accum_steps == expected
+
+
+def test_accum_steps_auto_reports_when_nothing_fits():
+  config = helpers.tiny_config(batch=8, accum_steps='auto')
+  with pytest.raises(fit.FitError, match='needs 100.0 MiB per device, more than the 1.0 MiB'):
+    fit.resolve_accum_steps(config, 4, lambda c: fit.StepMemory(temp_bytes=100 * 2**20),
+                            2**20, 'test')
+
+
+def test_a_step_over_a_small_device_limit_names_what_would_fit():
+  # Already fsdp and rematerialised, so that only a larger accumulation is left to try.
+  config = helpers.tiny_config(batch=64, sharding='fsdp', remat_policy='nothing_saveable')
+  mesh = train_setup.make_mesh(config, jax.devices()[:4])
+  memory = lambda c: fit.step_memory(c, mesh, 10)
+  need = memory(config).total_bytes
+  limit = int(need * 0.7)  # A device limit made small: accumulation must halve the batch.
+  with pytest.raises(fit.FitError) as error:
+    fit.check(config, 4, memory, limit, 'a small device')
+  message = str(error.value)
+  assert '\n' not in message and f'more than the {fit.size(limit)} of a small device' in message
+  assert '--config.accum_steps=' in message
+  accum = int(message.split('--config.accum_steps=')[1].split()[0])
+  assert accum > 1 and memory(fit.with_field(config, 'accum_steps', accum)).total_bytes <= limit
+
+
+def test_main_stops_a_batch_beyond_the_hosts_memory_with_one_line(tmp_path):
+  # The batch's images alone (2**20 of 28x28x3 float32) take 9.2 GiB; its activations far more
+  # than this host has. As a user runs it: one device per core, no harness flags (fsdp and
+  # rematerialised already, so that only a larger accumulation is left to try).
+  run = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
+       f'--workdir={tmp_path}', f'--config.batch={2**20}', '--config.sharding=fsdp',
+       '--config.remat_policy=nothing_saveable'],
+      env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 1
+  last = run.stderr.strip().splitlines()[-1]
+  assert last.startswith('Config error: The training step needs ') and 'Traceback' not in run.stderr
+  assert "of the host's available memory" in last and '--config.accum_steps=' in last
+  assert not (tmp_path / 'checkpoints').exists() or not os.listdir(tmp_path / 'checkpoints')
+
+
+def notebook_config():
+  """The training config of notebooks/vit_jax.ipynb, as its cells define it (its settings cell
+  and its `notebook_config` function, run without the training that follows it)."""
+  with open(os.path.join(ROOT, 'notebooks', 'vit_jax.ipynb')) as f:
+    cells = [''.join(cell['source']) for cell in json.load(f)['cells']
+             if cell['cell_type'] == 'code']
+  namespace = {'defaults': defaults, 'registry': registry, 'QUICK': False}
+  exec(next(cell for cell in cells if 'IMAGE_SIZES = ' in cell), namespace)  # pylint: disable=exec-used
+  function = next(node for cell in cells if 'def notebook_config' in cell
+                  for node in ast.parse(cell).body
+                  if isinstance(node, ast.FunctionDef) and node.name == 'notebook_config')
+  exec(compile(ast.Module([function], []), 'notebook', 'exec'), namespace)  # pylint: disable=exec-used
+  return namespace['notebook_config']()
+
+
+def test_the_notebooks_training_step_compiles_for_colabs_single_v5e_chip():
+  result = plan.plan(notebook_config(), plan.parse_topology('v5e-1'), 10)
+  assert result['fits'] and result['topology']['chips'] == 1 and result['eval']['fits']
