@@ -108,7 +108,6 @@ def test_a_cpu_host_with_libtpu_installed_still_gets_one_device_per_core():
                        env={**os.environ, 'XLA_FLAGS': '', 'JAX_PLATFORMS': ''},
                        check=True, capture_output=True, text=True)
   assert run.stdout.split() == [str(len(allowed))] * 2
-  assert run.stderr == ''  # No line of libtpu's.
 
 
 # Prints whether skip_absent_tpu acted, JAX's devices, and whether libtpu got loaded.

@@ -171,8 +171,11 @@ def interrupt(run, workdir, signal_name, at_step):
   run.wait_for(lambda: f'step {at_step}/60' in run.log, f'step {at_step}')
   run.process.send_signal(getattr(signal, signal_name))
   assert run.finish() == 0, run.log
-  assert 'Preempted at step' in run.log and f'({signal_name})' in run.log
-  step = int(run.log.split('Preempted at step ')[1].split()[0])
+  # Stopped between steps, or in the evaluation of the step the signal came after.
+  stopped = re.search(rf'Preempted at step (\d+) \({signal_name}\)|'
+                      rf'{signal_name} during the evaluation of step (\d+)', run.log)
+  assert stopped, run.log
+  step = int(stopped[1] or stopped[2])
   assert str(step) in os.listdir(workdir / 'checkpoints')
   assert not os.path.exists(workdir / 'model.npz')
   return run.log
