@@ -74,6 +74,16 @@ def error_lines(log):
           if line.startswith(('Checkpoint error: ', 'Traceback', 'error: '))]
 
 
+def the_failed_save_of_step_20(run, workdir) -> str:
+  """The one error line of `run`, which exits 1 after its save of step 20 to a full disk."""
+  assert run.finish() == 1, run.log
+  errors = error_lines(run.log)
+  assert errors == [errors[0]] and errors[0].startswith(
+      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
+      '(No space left on device); '), run.log
+  return errors[0]
+
+
 def test_a_disk_full_to_the_byte_mid_run_is_one_line_and_leaves_no_partial_checkpoint(
     small_disk):
   workdir = small_disk / 'run'
@@ -81,14 +91,10 @@ def test_a_disk_full_to_the_byte_mid_run_is_one_line_and_leaves_no_partial_check
   stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
   fill(small_disk)
   run.process.send_signal(signal.SIGCONT)
-  assert run.finish() == 1, run.log
-  errors = error_lines(run.log)
-  assert errors == [errors[0]] and errors[0].startswith(
-      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
-      '(No space left on device); '), run.log
-  assert errors[0].endswith(' free there; the last good checkpoint is step 10.'), run.log
-  assert 'GiB free' not in errors[0]  # Less than 8 MiB is free: said in bytes or KiB.
-  assert run.log.strip().splitlines()[-1] == errors[0]
+  error = the_failed_save_of_step_20(run, workdir)
+  assert error.endswith(' free there; the last good checkpoint is step 10.'), run.log
+  assert 'GiB free' not in error  # Less than 8 MiB is free: said in bytes or KiB.
+  assert run.log.strip().splitlines()[-1] == error
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']  # The partial save is gone.
 
 
@@ -98,12 +104,7 @@ def test_a_disk_full_at_the_last_checkpoint_still_writes_model_npz(small_disk):
   stopped_after_checkpoint(run, workdir / 'checkpoints', 10)
   fill(small_disk, leave=150 * 1024)  # Room for model.npz, not for a checkpoint.
   run.process.send_signal(signal.SIGCONT)
-  assert run.finish() == 1, run.log
-  errors = error_lines(run.log)
-  assert errors == [errors[0]] and errors[0].startswith(
-      f'Checkpoint error: Saving the checkpoint of step 20 to {workdir}/checkpoints failed '
-      '(No space left on device); '), run.log
-  assert errors[0].endswith(
+  assert the_failed_save_of_step_20(run, workdir).endswith(
       f'; the last good checkpoint is step 10. The final params are in {workdir}/model.npz; '
       'free some space and run the same command again for the final checkpoint.'), run.log
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']
