@@ -2,17 +2,19 @@
 
 Nothing of the test harness reaches these processes: no XLA_FLAGS (so no forced device count and
 no quick compilation), no JAX settings, no compilation cache. Each command picks its devices as it
-does for a user, one XLA:CPU device per core here. The commands share one short run of the default
-config, trained by the first test at the batch of 16 under which its closing few-shot evaluation
-used to abort on 2 devices.
+does for a user, one XLA:CPU device per core here, and shows the project's lines only. The commands
+share one short run of the quick start's command, at the batch of 16 under which its closing
+few-shot evaluation used to abort on 2 devices.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 from helpers import PHOTOS
 
@@ -35,29 +37,48 @@ def vit_jax(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
                         env=user_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+# What TensorFlow's C++ runtime prints while it loads, before its logging is set up.
+NATIVE_INFO_LINES = re.compile(r'^I\d{4} |oneDNN|absl::InitializeLog', re.MULTILINE)
+
+
 def succeeded(result: subprocess.CompletedProcess) -> str:
-  """The output of a command that must have exited 0 (else the test fails with its end)."""
+  """The output of a command that must have exited 0 (else the test fails with its end), and
+  printed none of TensorFlow's start-up lines."""
   assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-4000:])
+  assert not NATIVE_INFO_LINES.search(result.stderr), result.stderr
   return result.stdout + result.stderr
 
 
 @pytest.fixture(scope='module')
 def short_run(tmp_path_factory):
-  """(workdir, console) of a 6-step run of the default config at batch 16, ending with its
-  test evaluation, its few-shot evaluation and model.npz."""
-  workdir = tmp_path_factory.mktemp('short_run')
-  console = succeeded(vit_jax('main', f'--workdir={workdir}', '--config.total_steps=6',
-                              '--config.batch=16', '--config.batch_eval=16'))
-  return workdir, console
+  """(workdir, console) of the quick start's command in a fresh folder, 6 steps at batch 16,
+  ending with its test evaluation, its few-shot evaluation and model.npz."""
+  folder = tmp_path_factory.mktemp('fresh_folder')
+  console = succeeded(vit_jax('main', '--config.total_steps=6', '--config.batch=16',
+                              '--config.batch_eval=16', cwd=folder))
+  return folder / 'workdirs' / 'default', console  # Named after the config: it resumes.
 
 
-def test_main_picks_one_device_per_core_and_ends_with_few_shot_at_batch_16(short_run):
+def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
   workdir, console = short_run
+  lines = console.splitlines()
+  assert len(lines) <= 12, console  # Workdir, dataset, mesh, model, step, checkpoint, evaluations.
+  assert max(map(len, lines)) <= 200, console
+  assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), console  # All logged.
+  assert not re.search(r'orbax|CheckpointManager|Hyperparameters|TPU', console, re.IGNORECASE)
   devices = min(os.cpu_count(), len(os.sched_getaffinity(0)))
-  assert f'over {devices} cpu devices' in console
-  assert 'TPU' not in console  # An installed libtpu (requirements-test.txt) stays unloaded.
-  assert 'few-shot linear accuracy' in console
+  for expected in (f'Workdir: {re.escape(str(workdir))}',
+                   fr"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices\.",
+                   r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs', r'step 6/6: loss [\d.]+',
+                   f'step 6: checkpoint -> {re.escape(str(workdir))}/checkpoints/6',
+                   r'step 6: test accuracy [\d.]+', r'step 6: few-shot linear accuracy', r'Done: '):
+    assert re.search(expected, console), (expected, console)
   assert (workdir / 'model.npz').exists()
+  # The metrics and hyperparameters went to TensorBoard instead.
+  events = event_accumulator.EventAccumulator(str(workdir))
+  events.Reload()
+  assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
+      events.Tags()['tensors'])
 
 
 def test_fewshot_command_finishes_five_times_in_a_row(short_run):

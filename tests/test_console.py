@@ -1,4 +1,7 @@
-"""Tests of the console, vit_jax/console.py: the quick start's output, the filter, the live bar."""
+"""Tests of the console, vit_jax/console.py: the filter, the live bar, no native or library lines.
+
+The quick start's console and every command's are checked where they run, tests/test_commands.py.
+"""
 import io
 import logging
 import os
@@ -9,71 +12,21 @@ import sys
 
 import orbax.checkpoint as ocp
 import pytest
-from tensorboard.backend.event_processing import event_accumulator
 
-from helpers import DATA
 from helpers import TINY_CONFIG
 from helpers import xla_flags
 from vit_jax import console
 from vit_jax import train
 
-# The quick start on fewer images (batches of 16, evaluations of 100 test images, shots drawn
-# from 400 training images): the same lines, in less time.
-FEWER_IMAGES = ['--config.batch=16', '--config.batch_eval=100', '--config.test_split=test[:100]',
-                '--config.fewshot.num_test=100', '--config.fewshot.num_train=400']
-MAX_LINES = 12  # Workdir, dataset, mesh, model, 1 progress step, 1 evaluation, 1 checkpoint, end.
 
-
-def test_quick_start_prints_the_projects_lines_only(tmp_path):
-  """The README's quick start, `python -m vit_jax.main` in a fresh folder, on at most 2 cores."""
-  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
-  env['XLA_FLAGS'] = xla_flags(None)  # JAX's own device count, as for a user.
-  cores = set(sorted(os.sched_getaffinity(0))[:2])
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.main', '--config.total_steps=20', *FEWER_IMAGES],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-      preexec_fn=lambda: os.sched_setaffinity(0, cores))
-  assert result.returncode == 0, result.stderr
-  lines = (result.stdout + result.stderr).splitlines()
-  log = '\n'.join(lines)
-  assert len(lines) <= MAX_LINES, log
-  assert max(map(len, lines)) <= 200, log
-  assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), log  # All logged, none printed.
-  assert not re.search(r'^I\d{4} |orbax|CheckpointManager|Hyperparameters|oneDNN', log,
-                       re.MULTILINE | re.IGNORECASE), log
-  workdir = tmp_path / 'workdirs' / 'default'  # Named after the config, so that it resumes.
-  devices = len(cores)  # One CPU device per core.
-  for expected in (f'Workdir: {re.escape(str(workdir))}',
-                   fr"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices\.",
-                   r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs',
-                   r'step 20/20: loss [\d.]+, \d+ img/s', r'step 20: test accuracy [\d.]+',
-                   f'step 20: checkpoint -> {re.escape(str(workdir))}/checkpoints/20', r'Done: '):
-    assert re.search(expected, log), (expected, log)
-  # The metrics and hyperparameters went to TensorBoard instead.
-  events = event_accumulator.EventAccumulator(str(workdir))
-  events.Reload()
-  assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
-      events.Tags()['tensors'])
-
-
-# Each command as the README shows it, on the trained run's workdir (`W`) or into `OUT`.
-COMMANDS = {
-    'visualize': ['--checkpoint', 'W', '--output', 'OUT'],
-    'fewshot': ['--checkpoint', 'W', '--shots', '1', '--seeds', '1',
-                '--train_split', 'train[:200]', '--test_split', 'test[:100]'],
-    'export': ['--checkpoint', 'W', '--format', 'saved_model', '--out', 'OUT'],
-    'predict': ['--checkpoint', 'W', os.path.join(DATA, 'cifar10_00_3.png')],
-}
-
-
-@pytest.mark.parametrize('command', sorted(COMMANDS))
-def test_every_command_shows_no_native_info_lines(command, trained_run, tmp_path):
+# tests/test_commands.py checks every other command's console; export to a SavedModel is the
+# one that imports TensorFlow itself.
+def test_export_to_a_saved_model_shows_no_native_info_lines(trained_run, tmp_path):
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
   env['XLA_FLAGS'] = xla_flags(None)
-  places = {'W': trained_run[0], 'OUT': str(tmp_path / 'out')}
   result = subprocess.run(
-      [sys.executable, '-m', f'vit_jax.{command}',
-       *(places.get(arg, arg) for arg in COMMANDS[command])],
+      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format',
+       'saved_model', '--out', str(tmp_path / 'out')],
       env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip(), result.stderr  # It did its work.
