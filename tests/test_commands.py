@@ -118,7 +118,10 @@ def test_export_and_convert_commands_round_trip_the_weights(short_run, tmp_path)
 
 def test_checkpoint_list_and_models_commands():
   assert 'augreg:B/16' in succeeded(vit_jax('checkpoint', '--list'))
-  assert 'ViT-B_16' in succeeded(vit_jax('models'))
+  lines = succeeded(vit_jax('models')).strip().splitlines()
+  rows = [line.split()[0] for line in lines[1:-1]]
+  assert rows[-1] == 'ViT-mini_7' and 'ViT-B_16' in rows and 'testing' not in rows
+  assert lines[-1].startswith('The last row, ViT-mini_7, is the model of the default run')
 
 
 @pytest.mark.parametrize('step', [(), ('--train',)], ids=['inference', 'train'])

@@ -296,15 +296,6 @@ def test_convert_without_recorded_heads_asks_for_them(tmp_path, capsys):
 # The other commands.
 
 
-def test_models_lists_the_default_runs_model():
-  status, output = run('vit_jax.models')
-  assert status == 0
-  lines = output.strip().splitlines()
-  rows = [line.split()[0] for line in lines[1:-1]]
-  assert rows[-1] == 'ViT-mini_7' and 'ViT-B_16' in rows and 'testing' not in rows
-  assert lines[-1].startswith('The last row, ViT-mini_7, is the model of the default run')
-
-
 def test_visualize_of_a_workdir_writes_to_its_figures_folder(finished_copy, capsys):
   assert visualize.main(['--checkpoint', str(finished_copy), '--figures',
                          'position_similarity']) == 0
