@@ -63,6 +63,13 @@ def test_filter_passes_project_lines_and_library_warnings():
   assert not passes(record(ocp, logging.INFO))
 
 
+def test_sizes_are_given_in_the_largest_unit_they_fill():
+  assert console.readable_bytes(0) == '0 bytes'
+  assert console.readable_bytes(1023) == '1023 bytes'
+  assert console.readable_bytes(4_900_000) == '4.7 MiB'
+  assert console.readable_bytes(3 * 2**30 + 2**29) == '3.50 GiB'
+
+
 class Terminal(io.StringIO):
   """What a terminal receives (tqdm redraws the bar in place with carriage returns)."""
 

@@ -12,6 +12,7 @@ import pytest
 
 import helpers
 from vit_jax import config as defaults
+from vit_jax import console
 from vit_jax import fit
 from vit_jax import models
 from vit_jax import plan
@@ -172,7 +173,8 @@ def test_a_step_over_a_small_device_limit_names_what_would_fit():
   with pytest.raises(fit.FitError) as error:
     fit.check(config, 4, memory, limit, 'a small device')
   message = str(error.value)
-  assert '\n' not in message and f'more than the {fit.size(limit)} of a small device' in message
+  assert '\n' not in message
+  assert f'more than the {console.readable_bytes(limit)} of a small device' in message
   assert '--config.accum_steps=' in message
   accum = int(message.split('--config.accum_steps=')[1].split()[0])
   assert accum > 1 and memory(fit.with_field(config, 'accum_steps', accum)).total_bytes <= limit
@@ -201,11 +203,11 @@ def notebook_config():
     cells = [''.join(cell['source']) for cell in json.load(f)['cells']
              if cell['cell_type'] == 'code']
   namespace = {'defaults': defaults, 'registry': registry, 'QUICK': False}
-  exec(next(cell for cell in cells if 'IMAGE_SIZES = ' in cell), namespace)  # pylint: disable=exec-used
+  exec(next(cell for cell in cells if 'IMAGE_SIZES = ' in cell), namespace)
   function = next(node for cell in cells if 'def notebook_config' in cell
                   for node in ast.parse(cell).body
                   if isinstance(node, ast.FunctionDef) and node.name == 'notebook_config')
-  exec(compile(ast.Module([function], []), 'notebook', 'exec'), namespace)  # pylint: disable=exec-used
+  exec(compile(ast.Module([function], []), 'notebook', 'exec'), namespace)
   return namespace['notebook_config']()
 
 

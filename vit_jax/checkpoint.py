@@ -264,11 +264,7 @@ def free_space(path: str) -> str:
   path = os.path.abspath(path)
   while not os.path.exists(path):
     path = os.path.dirname(path)
-  free = shutil.disk_usage(path).free
-  for unit, size, digits in (('GiB', 2**30, 2), ('MiB', 2**20, 1), ('KiB', 2**10, 0)):
-    if free >= size:
-      return f'{free / size:.{digits}f} {unit}'
-  return f'{free} bytes'
+  return console.readable_bytes(shutil.disk_usage(path).free)
 
 
 def is_out_of_space(error: BaseException) -> bool:

@@ -27,6 +27,14 @@ from vit_jax import hardware
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def readable_bytes(count: float) -> str:
+  """`count` bytes in the largest unit they fill: '0 bytes', '220 KiB', '4.9 MiB', '12.30 GiB'."""
+  for unit, size, digits in (('GiB', 2**30, 2), ('MiB', 2**20, 1), ('KiB', 2**10, 0)):
+    if count >= size:
+      return f'{count / size:.{digits}f} {unit}'
+  return f'{int(count)} bytes'
+
+
 def from_project(record: logging.LogRecord) -> bool:
   """Whether `record` was logged by vit_jax's own code."""
   return os.path.abspath(record.pathname).startswith(PACKAGE_DIR + os.sep)

@@ -17,9 +17,10 @@ import ml_collections
 
 from vit_jax import train_setup
 from vit_jax import train_step
-from vit_jax.validation import ConfigError, data_parallel_size
+from vit_jax.console import readable_bytes
+from vit_jax.errors import ConfigError
+from vit_jax.validation import data_parallel_size
 
-GiB = 2**30
 # A compiler that runs out of memory says so in an error with this status.
 OUT_OF_MEMORY = 'RESOURCE_EXHAUSTED'
 
@@ -48,13 +49,9 @@ class StepMemory:
 
   def describe(self) -> str:
     """'12.3 GiB per device', or the compiler's figures where it refused."""
-    return refusal_figure(self.refusal) if self.refusal else f'{size(self.total_bytes)} per device'
-
-
-
-def size(num_bytes: float) -> str:
-  """'3.90 GiB', or '12.3 MiB' below a GiB."""
-  return f'{num_bytes / GiB:.2f} GiB' if num_bytes >= GiB else f'{num_bytes / 2**20:.1f} MiB'
+    if self.refusal:
+      return refusal_figure(self.refusal)
+    return f'{readable_bytes(self.total_bytes)} per device'
 
 
 def memory_of(compiled) -> StepMemory:
@@ -159,7 +156,7 @@ def alternatives(config: ml_collections.ConfigDict, data_devices: int,
             if k > config.accum_steps]
   fitting, used = smallest_that_fits(larger, memory, limit)
   if fitting is not None:
-    found.append(f'--config.accum_steps={fitting.accum_steps} ({size(used.total_bytes)})')
+    found.append(f'--config.accum_steps={fitting.accum_steps} ({readable_bytes(used.total_bytes)})')
   changes = []
   if config.remat_policy != 'nothing_saveable':
     changes.append(('remat_policy', 'nothing_saveable'))
@@ -168,7 +165,7 @@ def alternatives(config: ml_collections.ConfigDict, data_devices: int,
   for field, value in changes:
     used = memory(with_field(config, field, value))
     if used.refusal is None and used.total_bytes <= limit:
-      found.append(f'--config.{field}={value} ({size(used.total_bytes)})')
+      found.append(f'--config.{field}={value} ({readable_bytes(used.total_bytes)})')
   return found
 
 
@@ -184,7 +181,7 @@ def check(config: ml_collections.ConfigDict, data_devices: int,
   options = alternatives(config, data_devices, memory, limit)
   raise FitError(
       f'The training step needs {used.describe()}, more than the '
-      f'{size(limit)} of {where}. '
+      f'{readable_bytes(limit)} of {where}. '
       + (f'It would fit with {" or ".join(options)}.' if options else
          'No larger config.accum_steps, config.remat_policy=nothing_saveable or '
          'config.sharding=fsdp makes it fit: use more devices or a smaller config.batch.'))

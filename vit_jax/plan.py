@@ -11,6 +11,7 @@ names what would fit, as main's check does). NAME is a Cloud TPU accelerator typ
 v4-4096, v5e-1 ... v5e-256 (or v5litepod-N), v5p-8 ..., v6e-1 ... v6e-256.
 """
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import time
 from absl import app
 from absl import flags
 import jax
+from jax.experimental import topologies
 import jax.numpy as jnp
 import ml_collections
 
@@ -126,7 +128,6 @@ def parse_topology(name: str, slices: int = 1) -> Topology:
 
 def compile_only_devices(topology: Topology) -> list:
   """The TPU devices of `topology` (all its slices), which compile but do not run."""
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   grid = 'x'.join(map(str, topology.grid))
   description = topologies.get_topology_desc(
       platform='tpu', topology_name=f'{topology.generation.name}:{grid}',
@@ -260,7 +261,6 @@ def eval_memory(config, mesh, num_classes, hbm: int) -> dict:
 
 def libtpu_version() -> str | None:
   """The installed libtpu's version."""
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
   try:
     return importlib.metadata.version('libtpu')
   except importlib.metadata.PackageNotFoundError:
@@ -269,21 +269,21 @@ def libtpu_version() -> str | None:
 
 def summary(result: dict) -> str:
   """The plan as a short table."""
-  chip, gib = result['per_chip'], fit.size
+  chip, size = result['per_chip'], console.readable_bytes
   topology = result['topology']
   lines = [f"{result['config']['model_name']}, batch {result['config']['batch']} "
            f"(accum_steps {result['config']['accum_steps']}), {result['config']['sharding']} "
            f"on {topology['name']} x {topology['slices']} slice(s): {topology['chips']} chips, "
            f"{topology['hosts']} hosts, mesh {result['mesh']}",
-           f"  per chip: state {gib(chip['state_bytes'] or 0)}, arguments "
-           f"{gib(chip['argument_bytes'])}, temporaries {gib(chip['temp_bytes'])}, outputs "
-           f"{gib(chip['output_bytes'])}, total {gib(chip['total_bytes'])} of "
-           f"{gib(chip['hbm_bytes'])} HBM: {'fits' if result['fits'] else 'does not fit'}"]
+           f"  per chip: state {size(chip['state_bytes'] or 0)}, arguments "
+           f"{size(chip['argument_bytes'])}, temporaries {size(chip['temp_bytes'])}, outputs "
+           f"{size(chip['output_bytes'])}, total {size(chip['total_bytes'])} of "
+           f"{size(chip['hbm_bytes'])} HBM: {'fits' if result['fits'] else 'does not fit'}"]
   if result['fits']:
     lines += [f"  FLOPs per step per chip {result['flops_per_step_per_chip']:.3g}; roofline "
               f"step {result['roofline_step_seconds'] * 1e3:.3g} ms, at most "
               f"{result['roofline_images_per_second_per_chip']:.0f} images/s per chip",
-              f"  evaluation step: {gib(result['eval']['total_bytes'])} per chip"
+              f"  evaluation step: {size(result['eval']['total_bytes'])} per chip"
               f"{'' if result['eval']['fits'] else ', does not fit'}"]
   lines.append(f"  compiled in {result['compile_seconds']:.1f} s (jax {result['versions']['jax']}"
                f", libtpu {result['versions']['libtpu']})")
