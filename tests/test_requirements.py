@@ -2,6 +2,7 @@
 dataset prepares and trains by name without the internet, as `cifar10` does with it.
 """
 import ast
+import glob
 import importlib
 import importlib.util
 import json
@@ -24,12 +25,16 @@ TFDS_OPTIONAL_EXTRAS = 'tensorflow_datasets.core.utils.lazy_imports_utils'
 
 
 def readme_modules() -> set[str]:
-  """The modules the README's commands run (`python -m M`) and its Python examples import."""
-  with open(os.path.join(ROOT, 'README.md')) as f:
-    readme = f.read()
+  """The modules the commands of the README and docs/ run (`python -m M`) and their Python
+  examples import."""
+  readme = ''
+  for path in ['README.md', *sorted(glob.glob('docs/*.md', root_dir=ROOT))]:
+    with open(os.path.join(ROOT, path)) as f:
+      readme += f.read()
   modules = set(re.findall(r'python -m ([\w.]+)', readme))
-  modules.update(re.findall(r'^import ([\w.]+)', readme, re.MULTILINE))
-  for package, names in re.findall(r'^from ([\w.]+) import ([\w, ]+)$', readme, re.MULTILINE):
+  code = '\n'.join(re.findall(r'^```.*?\n(.*?)^```', readme, re.MULTILINE | re.DOTALL))
+  modules.update(re.findall(r'^import ([\w.]+)', code, re.MULTILINE))
+  for package, names in re.findall(r'^from ([\w.]+) import ([\w, ]+)$', code, re.MULTILINE):
     modules.update(f'{package}.{name.split()[0]}' for name in names.split(','))
   return modules
 
