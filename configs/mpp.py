@@ -8,10 +8,10 @@ steps and cosine decay, batch 4096 (the paper: 1M steps, about 14 epochs of JFT;
 of steps here), weight decay 0.1 and gradient clipping at norm 1 as in its supervised
 pre-training (Appendix B.1), 224 px Inception crops and flips.
 
-ARG `fashion_mnist`: the same objective on this machine: the default run's model and data
+ARG `fashion_mnist`: the same objective on a CPU: the default run's model and data
 (`python -m vit_jax.main`), its AdamW settings (lr 2e-3: 2e-4 is too slow for its few steps) and
 half its steps, 450, so that pre-training and a fine-tuning of 450 steps together match the 900
-of the default run trained from scratch (README: Masked patch prediction).
+of the default run trained from scratch (docs/experiments.md: Masked patch prediction).
 """
 import ml_collections
 

@@ -8,8 +8,8 @@ small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr 1e-3
 0.05) with warmup and cosine decay over 100 epochs of batch 128 (a smaller power of two for a
 folder of fewer images), Inception crops of 25-100% of the area, flips, RandAugment (2, 10) and
 Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and stochastic depth
-0.1. These are a starting point, not tuned values: the README's A/B of the default run shows
-what each costs on 28 px Fashion-MNIST.
+0.1. These are a starting point, not tuned values: the A/B of the default run in
+docs/experiments.md shows what each costs on 28 px Fashion-MNIST.
 """
 import math
 import os

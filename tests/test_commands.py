@@ -1,4 +1,4 @@
-"""Every command a user types, run once as the README shows it, in a process of its own.
+"""Every command a user types, run once as README.md and docs/ show it, in a process of its own.
 
 Nothing of the test harness reaches these processes: no XLA_FLAGS (so no forced device count and
 no quick compilation), no JAX settings, no compilation cache. Each command picks its devices as it

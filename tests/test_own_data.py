@@ -1,4 +1,4 @@
-"""Tests of a first run on one's own image folder, as the README shows it:
+"""Tests of a first run on one's own image folder, as docs/training.md shows it:
 `python -m vit_jax.main --config.dataset=DIR` in a fresh folder, then `vit_jax.predict` on its
 model, each a process with the device count JAX picks for itself (no harness flags).
 

@@ -36,7 +36,7 @@ def test_an_unreachable_tfds_download_is_one_line_in_seconds_and_leaves_nothing(
          'HTTPS_PROXY': proxy, 'http_proxy': proxy, 'HTTP_PROXY': proxy, 'no_proxy': '',
          'NO_PROXY': ''}
   start = time.monotonic()
-  result = subprocess.run(  # The README's command for a tfds preset.
+  result = subprocess.run(  # docs/training.md's command for a tfds preset.
       [sys.executable, '-m', 'vit_jax.main', '--config=configs/vit.py:ti16,cifar10',
        f'--workdir={tmp_path / "workdir"}', f'--config.tfds_data_dir={data_dir}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -324,7 +324,7 @@ FIELD_RANGES = {
 def get_config() -> ml_collections.ConfigDict:
   """The default run: a small ViT trained from scratch on the embedded Fashion-MNIST, on a CPU.
 
-  `python -m vit_jax.main` trains it in under 5 minutes on 2 CPU cores (README has the figures):
+  `python -m vit_jax.main` trains it in minutes on a CPU (the README has the figures):
   7x7 patches of the 28x28 images (16 tokens and the class token), width 128, 4 blocks of 4
   heads, AdamW with warmup and cosine decay, label smoothing, random flips. Random-area crops
   (the paper's Inception crop) cost accuracy at this resolution and schedule, so they are off.
@@ -352,7 +352,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 450
   # 5- and 10-shot accuracy of the representation at the end, on the run's own dataset (with
   # --config.dataset=DIR, that folder): shots drawn from 10,000 training images, scored on 1,000
-  # test images (README: what it costs).
+  # test images (docs/evaluation.md: what it costs).
   config.fewshot.datasets = (OWN_DATASET,)
   config.fewshot.num_train = 10_000
   config.fewshot.num_test = 1000
