@@ -49,18 +49,21 @@ def succeeded(result: subprocess.CompletedProcess) -> str:
   return result.stdout + result.stderr
 
 
+# The quick start's command, shortened to 6 steps at a batch of 16 (evaluation and few-shot too).
+SHORT_RUN = ('main', '--config.total_steps=6', '--config.batch=16', '--config.batch_eval=16')
+
+
 @pytest.fixture(scope='module')
 def short_run(tmp_path_factory):
-  """(workdir, console) of the quick start's command in a fresh folder, 6 steps at batch 16,
-  ending with its test evaluation, its few-shot evaluation and model.npz."""
+  """(workdir, console, folder) of SHORT_RUN in a fresh folder: training, then its test
+  evaluation, its few-shot evaluation and model.npz."""
   folder = tmp_path_factory.mktemp('fresh_folder')
-  console = succeeded(vit_jax('main', '--config.total_steps=6', '--config.batch=16',
-                              '--config.batch_eval=16', cwd=folder))
-  return folder / 'workdirs' / 'default', console  # Named after the config: it resumes.
+  console = succeeded(vit_jax(*SHORT_RUN, cwd=folder))
+  return folder / 'workdirs' / 'default', console, folder  # Named after the config: it resumes.
 
 
 def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
-  workdir, console = short_run
+  workdir, console, _ = short_run
   lines = console.splitlines()
   assert len(lines) <= 12, console  # Workdir, dataset, mesh, model, step, checkpoint, evaluations.
   assert max(map(len, lines)) <= 200, console
@@ -82,28 +85,39 @@ def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
 
 
 def test_fewshot_command_finishes_five_times_in_a_row(short_run):
-  workdir, _ = short_run
+  workdir, _, _ = short_run
   for attempt in range(5):
     output = succeeded(vit_jax('fewshot', '--checkpoint', str(workdir), '--shots', '5',
                                '--seeds', '2', '--test_split', 'test[:500]'))
     assert 'few-shot linear accuracy over 2 seeds, 500 test images' in output, attempt
 
 
+def test_the_run_continued_four_times_ends_each_time_with_its_few_shot_evaluation(short_run):
+  """Four more training runs of the same command, each one step longer, each ending with the
+  few-shot evaluation that aborted on 2 devices at this batch: with the fixture's, five in a
+  row."""
+  _, _, folder = short_run
+  for steps in range(7, 11):
+    output = succeeded(vit_jax(*SHORT_RUN, f'--config.total_steps={steps}', cwd=folder))
+    assert f'step {steps}/{steps}: loss' in output, output
+    assert re.search(fr'step {steps}: few-shot linear accuracy .*_10shot [\d.]+', output), output
+
+
 def test_predict_command(short_run):
-  workdir, _ = short_run
+  workdir, _, _ = short_run
   output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3]))
   assert os.path.basename(PHOTOS[3]) in output
 
 
 def test_visualize_command(short_run, tmp_path):
-  workdir, _ = short_run
+  workdir, _, _ = short_run
   succeeded(vit_jax('visualize', '--checkpoint', str(workdir), '--output', str(tmp_path),
                     '--num_images', '2'))
   assert any(name.endswith('.png') for name in os.listdir(tmp_path))
 
 
 def test_export_and_convert_commands_round_trip_the_weights(short_run, tmp_path):
-  workdir, _ = short_run
+  workdir, _, _ = short_run
   exported = tmp_path / 'model_timm.safetensors'
   succeeded(vit_jax('export', '--checkpoint', str(workdir), '--format', 'timm',
                     '--out', str(exported)))

@@ -200,6 +200,23 @@ def test_embedded_and_folder_read_split_strings(folder):
                              ).num_train == 8
 
 
+def test_labels_are_those_of_the_records_in_their_order_read_without_the_images(config_factory):
+  """What few-shot draws its shots from: the labels of the records that the images are read
+  with, in the same order."""
+  source = input_pipeline_sources.get_source(config_factory())
+  records = source.shard('train[2:12]', 0, 1).epoch(None).as_numpy_iterator()
+  labels = source.labels('train[2:12]')
+  assert labels.dtype == np.int64
+  np.testing.assert_array_equal(labels, [record['label'] for record in records])
+  assert len(np.unique(source.labels('train'))) == len(source.label_names)
+
+
+def test_embedded_labels_are_the_stored_arrays():
+  labels = input_pipeline_sources.get_source(make_config()).labels('test[:10%]+train[-5:]')
+  np.testing.assert_array_equal(labels, np.concatenate([EMBEDDED['test_labels'][:1000],
+                                                        EMBEDDED['train_labels'][-5:]]))
+
+
 # Per-process splitting, order and resuming.
 
 

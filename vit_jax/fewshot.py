@@ -237,15 +237,9 @@ def membership(positions: np.ndarray, draws: Sequence[tuple[np.ndarray, np.ndarr
 
 
 def split_labels(config, split: str) -> np.ndarray:
-  """int64 (N,): the labels of `split` of config.dataset in stored order, images undecoded."""
+  """int64 (N,): the labels of `split` of config.dataset in stored order, images unread."""
   from vit_jax import input_pipeline_sources as sources
-  shard = sources.get_source(config).shard(split, 0, 1)
-
-  def label(record):
-    return record['label']
-
-  labels = shard.epoch(None).map(label).batch(65536)
-  return np.concatenate(list(labels.as_numpy_iterator()))
+  return sources.get_source(config).labels(split)
 
 
 def class_sizes(config, split: str) -> np.ndarray:

@@ -106,6 +106,10 @@ class ArraySource:
   def num_examples(self, split: str) -> int:
     return len(self.select(split)[1])
 
+  def labels(self, split: str) -> np.ndarray:
+    """int64 (N,): the labels of `split` in stored order."""
+    return self.select(split)[1].astype(np.int64)
+
   def fingerprint(self, split: str) -> dict:
     """JSON: what the order of `split` depends on, {'examples': n, 'sha256': of its items and
     labels} (a folder's: the file list, relative to the folder, and the labels)."""
@@ -379,6 +383,15 @@ class TfdsSource:
     except (KeyError, ValueError) as e:
       raise ValueError(f'Bad split {split!r} for tfds dataset {self.name!r} (splits: '
                        f'{list(self._builder.info.splits)}): {e}') from None
+
+  def labels(self, split: str) -> np.ndarray:
+    """int64 (N,): the labels of `split` in stored order, read without the images."""
+    self.num_examples(split)  # Validates the split string.
+    records = self._builder.as_dataset(
+        split=split, shuffle_files=False,
+        decoders=tfds.decode.PartialDecoding({'label': True}))
+    batches = records.map(lambda example: example['label']).batch(65536)
+    return np.concatenate([np.zeros(0, np.int64), *batches.as_numpy_iterator()]).astype(np.int64)
 
   def fingerprint(self, split: str) -> dict:
     """JSON: what the order of `split` depends on, {'version': the prepared dataset's,

@@ -113,8 +113,12 @@ def param_shapes(model: models_vit.VisionTransformer, image_size: int = 224):
 
 
 def count_params(model: models_vit.VisionTransformer, image_size: int = 224) -> int:
-  """Number of parameters at `image_size` (the position embeddings depend on it)."""
-  return sum(x.size for x in jax.tree.leaves(param_shapes(model, image_size)))
+  """Number of parameters at `image_size` (the position embeddings depend on it).
+
+  Counted on the model with scanned blocks, which holds the same parameters stacked and traces
+  one block instead of every one."""
+  scanned = model.clone(scan_layers=True)
+  return sum(x.size for x in jax.tree.leaves(param_shapes(scanned, image_size)))
 
 
 # FLOPs per element of the element-wise parts, as XLA's cost analysis counts them (exp, tanh

@@ -73,6 +73,12 @@ def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collection
 EVAL_NAMES = {'correct': 'accuracy', 'correct_top5': 'top5_accuracy'}
 
 
+@jax.jit
+def added(totals, sums):
+  """`totals` + `sums`, leaf by leaf, in one dispatch rather than one per leaf."""
+  return jax.tree.map(jnp.add, totals, sums)
+
+
 def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
   """The means over the whole of config.{split}_split of what `eval_step` sums, as
   {split}_NAME: top-1 and top-5 accuracy and loss ({split}_accuracy, {split}_top5_accuracy
@@ -82,7 +88,7 @@ def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict
   totals, pacer = None, hardware.Pacer()
   for batch in input_pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
-    totals = pacer.step(sums if totals is None else jax.tree.map(jnp.add, totals, sums))
+    totals = pacer.step(sums if totals is None else added(totals, sums))
   totals = jax.device_get(totals)
   return {f'{split}_{EVAL_NAMES.get(name, name)}': float(total / totals['count'])
           for name, total in totals.items() if name != 'count'}
