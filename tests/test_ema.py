@@ -109,10 +109,11 @@ def test_resume_restores_the_ema_exactly(stepped):
 def test_a_checkpoint_without_ema_resumes_with_one_started_from_its_params(stepped, tmp_path,
                                                                           caplog):
   config, saved, mesh, _ = stepped
+  fresh = fresh_state(config, mesh)
   checkpoints = train_checkpoints.Checkpoints(str(tmp_path), keep=2)
   checkpoints.save(jax.device_put(saved.replace(ema=None)), {'position': 3})  # EMA off.
-  with caplog.at_level(logging.WARNING):
-    restored, _ = checkpoints.restore(*fresh_state(config, mesh))
+  with caplog.at_level(logging.WARNING):  # At once: the save may still be in progress.
+    restored, _ = checkpoints.restore(*fresh)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.ema), saved.params)
   assert 'holds no EMA of the params' in caplog.text
   # And back: a run with config.ema_decay=0 drops the EMA it finds.

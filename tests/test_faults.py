@@ -1,6 +1,6 @@
 """Faults during a run, as an operator meets them: a file system that fills to the byte, a
-SIGTERM during the final evaluation, training images changed between a run and its resume, a
-process of a two-process run that dies.
+SIGTERM during the final evaluation (of one process or two), training images changed between a
+run and its resume, a process of a two-process run that dies.
 
 Each test runs the command a user types in a subprocess, with the device count it picks for
 itself (helpers.xla_flags(None)).
@@ -221,14 +221,34 @@ def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_r
   assert 'Resuming from step 10 of ' in log
 
 
-def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
-    tmp_path):
+def two_processes(workdir, overrides):
+  """The two processes of a run of the tiny config with `overrides` in `workdir`."""
   address = f'127.0.0.1:{free_port()}'
-  overrides = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
-               'progress_every': 10}
-  runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
+  return [MainProcess(workdir, overrides, f'--coordinator_address={address}',
                       '--num_processes=2', f'--process_id={i}', env=ONE_DEVICE_PER_CORE)
           for i in range(2)]
+
+
+def test_sigterm_to_one_process_during_the_final_evaluation_stops_both_at_once(tmp_path):
+  runs = two_processes(tmp_path, LONG_FINAL_EVALUATION)
+  runs[0].wait_for(lambda: 'step 10: checkpoint -> ' in runs[0].log, 'the final evaluation')
+  runs[1].process.send_signal(signal.SIGTERM)  # Process 0 hears of it from JAX's runtime.
+  sent = time.monotonic()
+  assert [run.finish() for run in runs] == [0, 0], '\n\n'.join(run.log for run in runs)
+  assert time.monotonic() - sent < 20, runs[0].log  # Not the 625 batches' evaluation.
+  for run in runs:
+    assert ('SIGTERM during the evaluation of step 10: stopping it now, with the checkpoint of '
+            'step 10; a rerun only evaluates it.') in run.log, run.log
+    assert 'Traceback' not in run.log
+  assert os.listdir(tmp_path / 'checkpoints') == ['10']  # Complete: renamed from its temporary.
+  assert not (tmp_path / 'model.npz').exists()
+
+
+def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
+    tmp_path):
+  overrides = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
+               'progress_every': 10}
+  runs = two_processes(tmp_path, overrides)
   runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
   runs[1].process.kill()  # As a host that dies: no goodbye.
   killed = time.monotonic()

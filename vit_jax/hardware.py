@@ -5,9 +5,11 @@ the compute dtype; CPUs (and devices not in the table) use a peak measured in th
 best rate of a large jitted matmul. And, for XLA:CPU, `use_one_device_per_core`, which lets a
 sharded step use every core for all of its work, and `keep_freed_host_memory`, which spares its
 steps from page-faulting their buffers back in. `Pacer` keeps a loop of computations a few steps
-ahead of the devices, no more.
+ahead of the devices, no more, and is where every loop over batches can be stopped alike in
+every process (`at_each_batch`).
 """
 import collections
+import contextlib
 import ctypes
 import functools
 import importlib.metadata
@@ -198,6 +200,22 @@ def local_peak_flops(dtype=jnp.float32) -> tuple[float, str]:
 
 Outputs = TypeVar('Outputs')
 
+# The functions that `Pacer.step` calls at each batch, in the order given (`at_each_batch`).
+_BATCH_CALLS: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def at_each_batch(call: Callable[[], None]):
+  """Inside, every `Pacer.step` calls `call()` once the batch is queued; what `call` raises
+  stops the loop. Each process of a multi-process run passes the same batches through its
+  pacers (their computations are collective), so a `call` that asks the processes' agreement
+  (JAX's preemption sync point) gets the same answer at the same batch in each."""
+  _BATCH_CALLS.append(call)
+  try:
+    yield
+  finally:
+    _BATCH_CALLS.remove(call)
+
 
 class Pacer:
   """Keeps a loop that queues device computations at most `depth` steps ahead of the devices.
@@ -222,6 +240,8 @@ class Pacer:
   def step(self, outputs: Outputs) -> Outputs:
     """Returns `outputs` (any pytree of jax.Arrays) once those of `depth` steps before are ready."""
     self._queued.append(outputs)
+    for call in list(_BATCH_CALLS):
+      call()
     if len(self._queued) > self._depth:
       jax.block_until_ready(self._queued.popleft())
     return outputs

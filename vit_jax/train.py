@@ -6,6 +6,7 @@ and at the end the params as `WORKDIR/model.npz` in the published format.
 """
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -488,7 +489,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
                  config.total_steps)
     preemption = PreemptionWatcher()
     try:
-      with preemption.stops_evaluation():
+      with preemption.stops_evaluation(final_step=int(state.step)):
         metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
                            state)
         if fewshot_eval:
@@ -574,7 +575,8 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
         return state, {**last_metrics, 'preempted_at_step': step}
       eval_start = time.perf_counter()
       try:
-        with preemption.stops_evaluation():
+        with preemption.stops_evaluation(
+            final_step=step if step == config.total_steps else None):
           last_metrics.update(evaluate_due(config, step, state, eval_step, fewshot_eval, mesh,
                                            writer))
       except EvaluationStopped as e:
@@ -669,8 +671,9 @@ class PreemptionWatcher:
 
   With one process a handler of SIGTERM and SIGINT sets a flag, and a second SIGINT stops at
   once (KeyboardInterrupt); inside `stops_evaluation` either stops at once. With several,
-  JAX's distributed runtime (which listens for SIGTERM) makes every process agree on the same
-  step to stop at.
+  JAX's distributed runtime (whose own SIGTERM handler tells every process of a SIGTERM to
+  any) makes every process agree on the same step to stop at, and in the final evaluation
+  on the same batch.
   """
 
   def __init__(self):
@@ -700,13 +703,22 @@ class PreemptionWatcher:
       raise EvaluationStopped(self.signal_name)
 
   @contextlib.contextmanager
-  def stops_evaluation(self):
+  def stops_evaluation(self, final_step: int | None = None):
     """Inside, a SIGTERM or SIGINT (also one already received) stops the evaluation at once
     (EvaluationStopped): it runs after its step's checkpoint was started, so stopping it loses
     nothing a rerun cannot redo, and a preemption's grace period is often shorter than an
-    evaluation of a large test set. Only where the signal handlers are installed."""
-    if not self._previous:
-      yield
+    evaluation of a large test set.
+
+    With several processes, where `final_step` (the last step, after which no step follows)
+    is given: a SIGTERM stops it at a batch on which all processes agree
+    (`_sync_at_each_batch`); they cannot each stop where they are, as the others would wait at
+    the batch's collectives. Another evaluation runs to its end, and the run stops at the next
+    step's sync point."""
+    if not self._previous:  # Several processes, or not the main thread.
+      with (hardware.at_each_batch(self._sync_at_each_batch(final_step))
+            if final_step is not None and jax.process_count() > 1
+            else contextlib.nullcontext()):
+        yield
       return
     self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM,
                                                             self._stop_evaluation))
@@ -723,6 +735,19 @@ class PreemptionWatcher:
     finally:
       self._evaluating = False
       signal.setitimer(signal.ITIMER_REAL, 0)
+
+  def _sync_at_each_batch(self, final_step: int) -> Callable[[], None]:
+    """For hardware.at_each_batch: asks JAX's preemption sync point at each batch, numbered on
+    from `final_step` (the sync point's numbers must grow by one a call, alike in every
+    process; Orbax asks it with the step at each save, so only after the last step are the
+    numbers free), and raises EvaluationStopped at the batch where it is reached."""
+    numbers = itertools.count(final_step + 1)
+
+    def check() -> None:
+      if multihost_utils.reached_preemption_sync_point(next(numbers)):
+        self.signal_name = 'SIGTERM'
+        raise EvaluationStopped(self.signal_name)
+    return check
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:

@@ -102,8 +102,15 @@ class Checkpoints:
     for logger in _ORBAX_LOGGERS:
       logging.getLogger(logger).addFilter(self._errors)
 
+  def complete_steps(self) -> list[int]:
+    """The steps of the complete checkpoints, oldest first. Orbax lists a step from the start
+    of its save, before its folder exists under its name: a save in progress is waited for (and
+    confirmed) first, so that no reader takes it for a damaged checkpoint."""
+    self.confirm(wait=True)
+    return sorted(self.manager.all_steps())
+
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    return (self.complete_steps() or [None])[-1]
 
   def save(self, state: TrainState, data_state: dict) -> None:
     """Starts saving `state` in the background, after confirming the previous save."""
@@ -141,7 +148,7 @@ class Checkpoints:
 
   def delete_old(self) -> None:
     """Deletes all but the newest `keep` checkpoints."""
-    steps = sorted(self.manager.all_steps())
+    steps = self.complete_steps()
     for step in steps[:-self.keep] if self.keep else ():
       self.manager.delete(step)
 
@@ -190,7 +197,7 @@ class Checkpoints:
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             state, shardings)
     skipped = []
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    for step in reversed(self.complete_steps()):
       try:
         # The EMA is laid out as the params are.
         saved = abstract.replace(ema=abstract.params if self.has_ema(step) else None)
