@@ -2,6 +2,7 @@
 
 The quick start's console and every command's are checked where they run, tests/test_commands.py.
 """
+import gc
 import io
 import logging
 import os
@@ -54,6 +55,15 @@ def record(source_module, level: int, message: str = 'a message', **extra) -> lo
   made = logging.LogRecord('absl', level, source_module.__file__, 1, message, None, None)
   made.__dict__.update(extra)
   return made
+
+
+def test_the_collector_is_paused_inside_and_left_as_it_was_after():
+  for enabled_before in (True, False):
+    (gc.enable if enabled_before else gc.disable)()
+    with console.collector_paused():
+      assert not gc.isenabled()
+    assert gc.isenabled() == enabled_before
+  gc.enable()
 
 
 def test_filter_passes_project_lines_and_library_warnings():
