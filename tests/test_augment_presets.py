@@ -73,16 +73,23 @@ def test_scratch_small_needs_a_folder():
 def test_finetune_continues_the_default_run_with_the_papers_transfer_recipe():
   config = load('configs/finetune.py:56')
   default = load('configs/default.py')
-  assert config.model == default.model and config.dataset == default.dataset
+  assert config.dataset == default.dataset
   assert (config.pretrained_path, config.pretrained_keep_head, config.pp.crop) == (
       'workdirs/default', True, 56)
+  # Twice the pixels, so patches of twice the side: the same 4 x 4 grid of tokens.
+  assert tuple(config.model.patches.size) == (14, 14)
+  default.model.patches.size = (14, 14)
+  assert config.model == default.model
   # Appendix B.1.1: momentum SGD, no weight decay, cosine decay, clipping at global norm 1.
   assert (config.optimizer, config.momentum, config.weight_decay, config.decay_type,
           config.grad_clip_norm, config.label_smoothing) == ('sgd', 0.9, 0.0, 'cosine', 1.0, 0.0)
-  assert config.total_steps < default.total_steps  # Each step costs 4 times as much.
+  assert config.total_steps < default.total_steps
   assert validation.values_error(config) is None
 
 
 def test_finetune_needs_a_resolution():
   with pytest.raises(ValueError, match='give the resolution in pixels'):
     load('configs/finetune.py:big')
+  with pytest.raises(ValueError, match='grows the 7-pixel patches to 10.5 px, not a whole '
+                                       'number: choose a size that is a multiple of 4 px'):
+    load('configs/finetune.py:42')

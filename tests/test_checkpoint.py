@@ -12,10 +12,13 @@ from helpers import TINY_VIT as TINY
 from helpers import images_of
 from helpers import random_params
 from vit_jax import checkpoint
+from vit_jax import input_pipeline
+from vit_jax import input_pipeline_sources
 from vit_jax import models
 from vit_jax import models_vit
 
 POSEMB = checkpoint.POSEMB_PATH
+SMALL_VIT = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2)
 
 
 def flat(params):
@@ -444,3 +447,41 @@ def test_scanned_model_mismatches_are_named_in_the_published_layout(tmp_path):
         checkpoint.load(tmp_path / 'model.npz'),
         models.param_shapes(models.get_model(config, num_classes=7, scan_layers=True)),
         source=str(tmp_path / 'model.npz'))
+
+
+def test_patch_kernel_resize_gives_an_upsampled_patch_the_token_of_the_original():
+  kernel = np.random.default_rng(0).normal(size=(7, 7, 3, 5)).astype(np.float32)
+  patches = images_of(size=7, batch=4)
+  upsampled = np.asarray(jax.image.resize(patches, (4, 14, 14, 3), 'bilinear'))
+  resized = checkpoint.resize_patch_kernel(kernel, (14, 14))
+  assert resized.shape == (14, 14, 3, 5)
+  np.testing.assert_allclose(np.einsum('bhwc,hwcd->bd', upsampled, resized),
+                             np.einsum('bhwc,hwcd->bd', patches, kernel), rtol=1e-4, atol=1e-4)
+
+
+def test_grown_patches_keep_the_predictions_on_upsampled_images(tmp_path):
+  """Fashion-MNIST images at 28 px, and upsampled to 56 px as the input pipeline resizes: a
+  model whose 7 px patches grow to 14 px (kernel resized) gives nearly the same logits, where
+  one that keeps its 7 px patches (position embeddings interpolated) does not. Bilinear
+  upsampling blends neighbouring patches at their borders, so the first is not exact."""
+  with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+    gray = data['test_images'][:64]
+  images = np.repeat(gray[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  upsampled = np.stack([input_pipeline.resize(image, 56).numpy() for image in images])
+  model = models_vit.VisionTransformer(num_classes=10, patch_size=(7, 7), **SMALL_VIT)
+  # Random weights; the differences between images, not between classes, are compared.
+  params = random_params(model, 28, scale=0.3)
+  checkpoint.save(params, tmp_path / 'model.npz')
+  before = logits_of(model, params, images)
+
+  def logits_at_56(patch):
+    grown = model.clone(patch_size=(patch, patch))
+    init = random_params(grown, 56, seed=1)
+    loaded = checkpoint.load_pretrained(tmp_path / 'model.npz', init, grown, keep_head=True)
+    return logits_of(grown, loaded, upsampled)
+
+  def relative_error(logits):
+    return np.linalg.norm(logits - before) / np.linalg.norm(before - before.mean(0))
+
+  grown, kept = logits_at_56(14), logits_at_56(7)
+  assert relative_error(grown) < 0.1 < relative_error(kept)  # Measured: 0.06 and 0.56.

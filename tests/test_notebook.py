@@ -74,11 +74,12 @@ def test_committed_without_outputs():
 def test_trains_evaluates_and_fine_tunes(executed):
   text = printed_text(executed)
   assert 'step 30/30' in text and 'step 10/10' in text  # The quick runs' progress lines.
-  assert accuracy(text, r'test accuracy at 28 px: ') > 0.3  # Chance is 0.1.
-  before = accuracy(text, r'test accuracy at 56 px, .*, before fine-tuning: ')
-  assert 0 <= before <= 1
-  assert accuracy(text, r'test accuracy at 56 px after 10 fine-tuning steps: ') > 0.2
-  assert re.search(r'position embeddings \(1, 17, 64\) -> \(1, 65, 64\)', text), text
+  at_28 = accuracy(text, r'test accuracy at 28 px: ')
+  assert at_28 > 0.3  # Chance is 0.1.
+  # The patches grow with the images (kernel resized), so the model starts as it was.
+  assert abs(accuracy(text, r'test accuracy at 56 px, .*, before fine-tuning: ') - at_28) < 0.02
+  assert accuracy(text, r'test accuracy at 56 px after 10 fine-tuning steps: ') > 0.3
+  assert re.search(r'patch-embedding kernel \(7, 7, 3, 64\) -> \(14, 14, 3, 64\)', text), text
 
 
 def test_classifies_image_files(executed):

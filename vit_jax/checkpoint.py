@@ -52,6 +52,7 @@ from vit_jax import published
 Params = dict[str, Any]
 
 POSEMB_PATH = ('Transformer', 'posembed_input', 'pos_embedding')
+PATCH_KERNEL_PATH = ('embedding', 'kernel')
 SCANNED_BLOCKS = ('Transformer', 'encoderblock')
 BLOCK_PREFIX = 'encoderblock_'
 # Spline orders of scipy.ndimage.zoom.
@@ -414,6 +415,54 @@ def _fit_positions(restored: dict, target: dict, model, *, grid: Optional[tuple[
   return restored
 
 
+def _bilinear_matrix(size: int, new_size: int) -> np.ndarray:
+  """(new_size, size) float64: the bilinear resize of `size` samples to `new_size`, with
+  half-pixel centres and clamped ends, as tf.image.resize(method='bilinear') resizes each row and
+  column of an image (without antialiasing)."""
+  source = np.clip((np.arange(new_size) + 0.5) * size / new_size - 0.5, 0, size - 1)
+  low = np.floor(source).astype(int)
+  high = np.minimum(low + 1, size - 1)
+  matrix = np.zeros((new_size, size))
+  np.add.at(matrix, (np.arange(new_size), low), 1 - (source - low))
+  np.add.at(matrix, (np.arange(new_size), high), source - low)
+  return matrix
+
+
+def resize_patch_kernel(kernel, patch_hw: tuple[int, int]) -> np.ndarray:
+  """The patch-embedding kernel (h, w, C, D) for patches of `patch_hw` = (rows, columns)
+  pixels, by the pseudo-inverse resize of FlexiViT (Beyer et al., 2023, Section 3.4).
+
+  With R the bilinear resize of an h x w patch to patch_hw (`_bilinear_matrix` on each axis),
+  the new kernel k' = pinv(R^T) k. For patch_hw at least (h, w), R^T has full row rank and
+  <R x, k'> = <x, k> for every patch x: a patch resized to patch_hw gets the token the old
+  kernel gave it. A whole image resized by the same factor differs from its patches resized
+  one by one only in the border pixels of each patch, where bilinear interpolation blends in
+  the neighbouring patch. For a smaller patch_hw, k' is the least-squares fit of the old
+  tokens over white-noise patches. Returns numpy (rows, columns, C, D) of kernel's dtype.
+  """
+  kernel = np.asarray(kernel)
+  rows = np.linalg.pinv(_bilinear_matrix(kernel.shape[0], patch_hw[0]).T)  # (rows, h)
+  columns = np.linalg.pinv(_bilinear_matrix(kernel.shape[1], patch_hw[1]).T)  # (columns, w)
+  resized = np.einsum('ih,jw,hwcd->ijcd', rows, columns, kernel.astype(np.float64))
+  return resized.astype(kernel.dtype)
+
+
+def _fit_patch_kernel(restored: dict, target: dict, model, source: str) -> dict:
+  """`restored` (flat) with its patch-embedding kernel resized (`resize_patch_kernel`, logged)
+  to the target's patch size where only that differs; as it is otherwise, and for hybrid models,
+  whose kernel is over ResNet features (a CheckpointError from _check_flat then)."""
+  kernel = restored.get(PATCH_KERNEL_PATH)
+  if kernel is None or PATCH_KERNEL_PATH not in target or model.resnet_layers is not None:
+    return restored
+  old, new = np.shape(kernel), tuple(target[PATCH_KERNEL_PATH].shape)
+  if len(old) != 4 or old[:2] == new[:2] or old[2:] != new[2:]:
+    return restored
+  logging.info('Resized the patch-embedding kernel of %s from %dx%d to %dx%d pixels (pseudo-'
+               'inverse resize): images resized by the same factor keep their tokens.',
+               source, *old[:2], *new[:2])
+  return {**restored, PATCH_KERNEL_PATH: resize_patch_kernel(kernel, new[:2])}
+
+
 def fit_positions(params: Params, model, image_size: int, *,
                   method: str = 'bilinear') -> Params:
   """`params` (per block, of `model` without scan_layers) with their position parameters
@@ -510,6 +559,9 @@ def load_pretrained(path, init_params: Params, model, *,
     e.g. (384 // 16, 512 // 16). The tables of the other learned posemb kinds are resized to
     init_params's with `resize_table`: learned_2d's rows and columns each on its axis,
     relative's offsets; `none` and `sincos_2d` have nothing to resize;
+  - a patch-embedding kernel of another patch size is resized with `resize_patch_kernel`
+    (models without a ResNet stem), e.g. 7x7 to 14x14 for images of twice the size, which
+    then start with the tokens the file's model gave them at the original size;
   - a file whose posemb kind (`file_posemb`) is not `model.posemb` is a CheckpointError.
   Anything else must match `init_params` path by path and shape by shape, or a CheckpointError
   lists what differs, in the per-block layout of the file. Returns a nested dict of numpy
@@ -528,6 +580,7 @@ def load_pretrained(path, init_params: Params, model, *,
     restored.update({p: v for p, v in target.items() if p[0] == 'head'})
   restored = _fit_pretraining_params(restored, target, source)
   restored = _fit_positions(restored, target, model, grid=grid, method=posemb_method)
+  restored = _fit_patch_kernel(restored, target, model, source)
   _check_flat(restored, target, source)
   params = traverse_util.unflatten_dict(
       {p: np.asarray(restored[p], dtype=target[p].dtype) for p in target})

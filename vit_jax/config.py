@@ -7,6 +7,7 @@ the experiment files of the repository's `configs/` folder (loaded by path,
 vit_jax has it, whatever the current directory.
 """
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
@@ -137,13 +138,23 @@ TRANSFER_FIELDS = ('optimizer', 'base_lr', 'momentum', 'weight_decay', 'decay_ty
 def continued_at(config: ml_collections.ConfigDict, crop: int, pretrained_path: str,
                  total_steps: int) -> ml_collections.ConfigDict:
   """`config`, a trained run's, continued from its model `pretrained_path` at `crop` pixels on
-  the same classes: the trained head kept, the position embeddings interpolated to the larger
-  grid, and the paper's transfer recipe (TRANSFER_FIELDS) for `total_steps` updates, a tenth of
-  them warmup. docs/finetuning.md has what it reaches."""
+  the same classes, with the trained head kept and the paper's transfer recipe
+  (TRANSFER_FIELDS) for `total_steps` updates, a tenth of them warmup.
+
+  The patches grow with the images (crop / config.pp.crop times, e.g. 7 to 14 px from 28 to
+  56 px), so the grid of tokens and the position embeddings stay, and the patch-embedding
+  kernel is resized to the new patch size (`checkpoint.resize_patch_kernel`): on the same images
+  resized, every token, and so the model's output, starts as it was. With the patch size kept
+  instead ("--config.model.patches.size=(7,7)"), the position embeddings are interpolated to
+  the larger grid and the first layer has to relearn what its patches show. docs/finetuning.md
+  has what each reaches. Raises a ValueError when the patch size would not be a whole number of
+  pixels."""
   config = config.copy_and_resolve_references()
   transfer = training_defaults()
   for name in TRANSFER_FIELDS:
     config[name] = transfer[name]
+  config.model.patches.size = tuple(_grown_patch(size, config.pp.crop, crop)
+                                    for size in config.model.patches.size)
   config.pp.crop = crop
   config.pretrained_path = pretrained_path
   config.pretrained_keep_head = True
@@ -152,6 +163,15 @@ def continued_at(config: ml_collections.ConfigDict, crop: int, pretrained_path: 
   config.eval_every = config.checkpoint_every = total_steps
   config.progress_every = max(total_steps // 5, 1)
   return config
+
+
+def _grown_patch(patch: int, crop: int, new_crop: int) -> int:
+  """The side in pixels of a `patch`-pixel patch of a `crop`-pixel image resized to `new_crop`."""
+  if patch * new_crop % crop:
+    raise ValueError(f'Continuing at {new_crop} px from {crop} px grows the {patch}-pixel patches '
+                     f'to {patch * new_crop / crop:g} px, not a whole number: choose a size '
+                     f'that is a multiple of {crop // math.gcd(patch, crop)} px.')
+  return patch * new_crop // crop
 
 # One line on each field, in the order `python -m vit_jax.main --help` lists them.
 FIELD_HELP = {
