@@ -28,6 +28,7 @@ from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import main
 from vit_jax import train
+from vit_jax.evaluators import fewshot as fewshot_evaluator
 
 # Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
@@ -280,12 +281,14 @@ def one_process(tmp_path_factory):
   this process."""
   workdir = tmp_path_factory.mktemp('one_process')
   config = tiny_config(**SHORT_RUN)
-  config.fewshot.update(FEWSHOT)
+  config.evals.fewshot.update(FEWSHOT)
   train.train_and_evaluate(config, str(workdir))
   mesh = train.make_mesh(config)
   params = jax.device_put(final_params(workdir), NamedSharding(mesh, PartitionSpec()))
   model = train.build_model(config, num_classes=10)
-  return workdir, train.evaluate_fewshot(model, params, config, mesh)
+  evaluator = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
+                                                 mesh)
+  return workdir, evaluator.run(params)
 
 
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
