@@ -1,4 +1,6 @@
 """Tests of the evaluators of config.evals (vit_jax/evaluators/) and of the loop that runs them."""
+import json
+
 import jax
 import pytest
 
@@ -74,3 +76,15 @@ def test_an_unknown_type_is_a_one_line_error():
       r"config.evals.test.type='detection' is not one of \('classification', 'mpp', "
       r"'fewshot'\)")):
     validation.validate_config(config, jax.device_count())
+
+
+def test_the_config_json_of_a_run_older_than_config_evals_resumes(tmp_path):
+  older = json.loads(tiny_config().to_json_best_effort())
+  del older['evals']
+  older.update(val_split='train[95%:]', val_every=20, fewshot=dict(
+      datasets=['fashion_mnist_embedded'], shots=[5, 10], every=None, num_train=None,
+      num_test=1000, seeds=1, train_split='train', test_split='test'))
+  (tmp_path / 'config.json').write_text(json.dumps(older))
+  config = tiny_config(val_split='train[95%:]', val_every=20)  # The same command, rerun.
+  validation.validate_config(config, jax.device_count())
+  assert train.resume_mismatches(config, str(tmp_path)) == []
