@@ -58,7 +58,7 @@ def get_config(arg: str = 'B/16,i1k,medium2') -> ml_collections.ConfigDict:
   preset = DATA[data]
   config = defaults.with_model(defaults.training_defaults(), MODELS[model])
   config.dataset = preset['dataset']
-  config.train_split, config.val_split = preset['train_split'], preset['val_split']
+  config.train_split, config.evals.val.split = preset['train_split'], preset['val_split']
   config.test_split = preset['test_split']
 
   config.pp.crop, config.pp.resize = 224, 256

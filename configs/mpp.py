@@ -32,7 +32,7 @@ def get_config(arg: str = 'b16,imagenet2012') -> ml_collections.ConfigDict:
                        'b16,imagenet2012, or fashion_mnist.')
     config = defaults.with_model(defaults.training_defaults(), registry.full_name(model))
     config.dataset = dataset
-    config.train_split, config.val_split = 'train[:99%]', 'train[99%:]'
+    config.train_split, config.evals.val.split = 'train[:99%]', 'train[99%:]'
     config.test_split = 'validation' if dataset == 'imagenet2012' else 'test'
     config.pp.crop, config.pp.resize = 224, None
     config.batch = 4096

@@ -41,7 +41,7 @@ def get_config(arg: str = 'b16,cifar10') -> ml_collections.ConfigDict:
   preset = DATASETS.get(dataset, OTHER_DATASET)
   config.dataset = dataset
   config.train_split, config.test_split = preset['train_split'], preset['test_split']
-  config.val_split = preset['val_split']  # Minival: the share of train left out of train_split.
+  config.evals.val.split = preset['val_split']  # Minival: the share of train out of train_split.
   config.total_steps = preset['total_steps']
   config.pp.crop, config.pp.resize, config.pp.flip = preset['crop'], preset['resize'], preset[
       'flip']

@@ -79,7 +79,7 @@ def test_every_numeric_config_field_has_a_range():
     ('grad_clip_norm', 0.0, 'config.grad_clip_norm=0.0 must be greater than 0.'),
     ('pp.area_min', 0.0, 'config.pp.area_min=0.0 must be in (0, 1].'),
     ('pp.resize', 0, "config.pp.resize=0 must be None (resize to pp.crop) or greater than 0."),
-    ('fewshot.seeds', 0, 'config.fewshot.seeds=0 must be greater than 0.'),
+    ('evals.fewshot.seeds', 0, 'config.evals.fewshot.seeds=0 must be greater than 0.'),
     ('base_lr', float('nan'), 'config.base_lr=nan must be greater than 0.'),
     ('model.transformer.num_heads', 0,
      'config.model.transformer.num_heads=0 must be greater than 0.'),

@@ -151,9 +151,9 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
 # with FEWSHOT_AT_END a few-shot evaluation after it.
 LONG_FINAL_EVALUATION = {'total_steps': 10, 'checkpoint_every': 10, 'progress_every': 5,
                          'eval_every': 10, 'test_split': 'test', 'batch_eval': 16}
-FEWSHOT_AT_END = {'fewshot.datasets': "('fashion_mnist_embedded',)", 'fewshot.shots': '(1,5)',
-                  'fewshot.seeds': 1, 'fewshot.train_split': 'train[:500]',
-                  'fewshot.num_test': 200}
+FEWSHOT_AT_END = {f'evals.fewshot.{field}': value for field, value in (
+    ('datasets', "('fashion_mnist_embedded',)"), ('shots', '(1,5)'), ('seeds', 1),
+    ('train_split', 'train[:500]'), ('num_test', 200))}
 
 
 @pytest.mark.parametrize('during, overrides', [
@@ -177,7 +177,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_eval
   rerun = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
   assert rerun.finish() == 0, rerun.log
   assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
-  assert ('fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
+  assert ('evals.fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
   assert checkpoint.load(tmp_path / 'model.npz')
 
 

@@ -9,6 +9,7 @@ import pytest
 from vit_jax import fewshot
 from vit_jax import input_pipeline_sources as sources
 from vit_jax import train
+from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax import validation
 import tiny_config
 
@@ -22,8 +23,8 @@ def tiny():
   """The few-shot config of a tiny run on the embedded data, its model and initial params."""
   config = tiny_config.get_config()
   config.batch_eval = 200
-  config.fewshot.update(train_split='train[:1000]', num_test=400)
-  config = train.fewshot_config(config, 'fashion_mnist_embedded')
+  config.evals.fewshot.update(train_split='train[:1000]', num_test=400)
+  config = fewshot_evaluator.dataset_config(config.evals.fewshot, config, 'fashion_mnist_embedded')
   model = train.build_model(config, num_classes=10)
   init = jax.jit(functools.partial(model.init, train=False))  # One compilation, not one per op.
   return config, model, init(jax.random.key(0), np.zeros((1, 28, 28, 3)))['params']
@@ -74,13 +75,15 @@ def test_a_second_evaluation_compiles_nothing(tiny, caplog):
 
 
 def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
-  config, _, _ = tiny
-  config = config.copy_and_resolve_references()
+  config = tiny_config.get_config()
+  config.evals.fewshot.update(datasets=('fashion_mnist_embedded',), num_train=1000, num_test=400)
   config.model.classifier = 'unpooled'
+  model = train.build_model(config, num_classes=10)
   with pytest.raises(validation.ConfigError) as error:
-    train.check_fewshot_model(train.build_model(config, num_classes=10))
+    fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
+                                       train.make_mesh(config))
   assert str(error.value) == (
-      "config.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
+      "config.evals.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
       "evaluation needs one vector per image: a 'token' or 'gap' model.")
 
 
@@ -96,7 +99,8 @@ def test_an_image_folder_is_a_fewshot_dataset(tiny, tmp_path):
           Image.fromarray(image).save(folder / split / f'class{class_id}' / f'{i}.png')
   config = tiny_config.get_config()
   config.batch_eval = 200
-  config.fewshot.update(datasets=(str(folder),), shots=(5,), train_split='train', num_test=None)
-  metrics = train.evaluate_fewshot(model, params, config, train.make_mesh(config))
+  config.evals.fewshot.update(datasets=(str(folder),), shots=(5,), train_split='train')
+  metrics = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
+                                               train.make_mesh(config)).run(params)
   assert list(metrics) == ['fewshot/three_classes_5shot']
   assert metrics['fewshot/three_classes_5shot'] > 0.6  # Chance is 1/3.

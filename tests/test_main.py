@@ -28,6 +28,7 @@ from vit_jax import analysis
 from vit_jax import checkpoint
 from vit_jax import main
 from vit_jax import train
+from vit_jax.evaluators import fewshot as fewshot_evaluator
 
 # Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
@@ -280,12 +281,14 @@ def one_process(tmp_path_factory):
   this process."""
   workdir = tmp_path_factory.mktemp('one_process')
   config = tiny_config(**SHORT_RUN)
-  config.fewshot.update(FEWSHOT)
+  config.evals.fewshot.update(FEWSHOT)
   train.train_and_evaluate(config, str(workdir))
   mesh = train.make_mesh(config)
   params = jax.device_put(final_params(workdir), NamedSharding(mesh, PartitionSpec()))
   model = train.build_model(config, num_classes=10)
-  return workdir, train.evaluate_fewshot(model, params, config, mesh)
+  evaluator = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
+                                                 mesh)
+  return workdir, evaluator.run(params)
 
 
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
@@ -295,7 +298,7 @@ def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
   few-shot accuracies."""
   address = f'127.0.0.1:{free_port()}'
   env = {'XLA_FLAGS': xla_flags(4)}
-  overrides = {**SHORT_RUN, **{f'fewshot.{k}': v for k, v in FEWSHOT.items()}}
+  overrides = {**SHORT_RUN, **{f'evals.fewshot.{k}': v for k, v in FEWSHOT.items()}}
   runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
                       '--num_processes=2', f'--process_id={i}', *(['--log_all'] if i else []),
                       env=env) for i in range(2)]  # Process 1 logs too, in absl's format.

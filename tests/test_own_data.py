@@ -22,6 +22,7 @@ from vit_jax import config as defaults
 from vit_jax import main
 from vit_jax import train
 from vit_jax import validation
+from vit_jax.evaluators import fewshot as fewshot_evaluator
 import tiny_tfds
 
 pytestmark = pytest.mark.xdist_group('own_data')  # The module fixture runs once.
@@ -152,14 +153,15 @@ def test_a_tfds_dataset_of_one_class_is_refused(tmp_path):
 
 def test_own_dataset_in_the_few_shot_datasets_is_the_runs_dataset():
   config = tiny_config(dataset='/data/photos')
-  config.fewshot.datasets = (defaults.OWN_DATASET, 'fashion_mnist_embedded', '/data/photos')
-  assert train.fewshot_datasets(config) == ['/data/photos', 'fashion_mnist_embedded']
+  config.evals.fewshot.datasets = (defaults.OWN_DATASET, 'fashion_mnist_embedded', '/data/photos')
+  assert fewshot_evaluator.datasets(config.evals.fewshot, config) == [
+      '/data/photos', 'fashion_mnist_embedded']
 
 
 def test_few_shot_evaluation_leaves_out_a_dataset_of_one_class(tmp_path, caplog):
   # As when pre-training by masked patch prediction on a folder of one class, DIR/train/all/.
   config = tiny_config(dataset=write_image_folder(tmp_path, PER_CLASS, class_ids=(8,)),
                        test_split='test')
-  config.fewshot.datasets = (defaults.OWN_DATASET,)
-  assert train.fewshot_plan(config) == {}
+  config.evals.fewshot.datasets = (defaults.OWN_DATASET,)
+  assert fewshot_evaluator.plan('fewshot', config.evals.fewshot, config) == {}
   assert f'Few-shot evaluation skips {tmp_path}: it has 1 class' in caplog.text

@@ -21,6 +21,7 @@ from vit_jax import registry
 from vit_jax import train
 from vit_jax import train_step
 from vit_jax import validation
+from vit_jax.evaluators import classification
 
 
 def test_short_run_learns(trained_run):
@@ -94,6 +95,8 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
                         num_test=500)
   with caplog.at_level('INFO'):
     metrics = train.train_and_evaluate(config, str(tmp_path))
+  # The old fields still work, with one line saying what to write instead (test_evaluators).
+  assert caplog.text.count('Deprecated: config.val_split, config.val_every, config.fewshot.') == 1
   scalars = read_scalars(str(tmp_path))
   for tag in ('val_accuracy', 'val_top5_accuracy', 'val_loss'):
     assert sorted(scalars[tag]) == [20, 40, 60], tag
@@ -119,10 +122,10 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
 
 def test_only_the_default_run_evaluates_few_shot():
   from configs import vit
-  assert tuple(defaults.get_config().fewshot.datasets) == (defaults.OWN_DATASET,)
-  assert defaults.get_config().fewshot.every is None  # At the end only.
-  assert not defaults.training_defaults().fewshot.datasets
-  assert not vit.get_config('b16,cifar10').fewshot.datasets
+  assert tuple(defaults.get_config().evals.fewshot.datasets) == (defaults.OWN_DATASET,)
+  assert defaults.get_config().evals.fewshot.every is None  # At the end only.
+  assert not defaults.training_defaults().evals.fewshot.datasets
+  assert not vit.get_config('b16,cifar10').evals.fewshot.datasets
 
 
 def one_step_state(config, mesh):
@@ -263,10 +266,11 @@ def test_device_counts_that_fit_a_config(overrides, fitting):
      r"config.pretrained_path='/nonexistent/ViT-B_16.npz' does not exist"),
     (dict(optimizer='adam'), r"config.optimizer='adam' is not one of \('sgd', 'adamw'\)"),
     (dict(remat_policy='dots'), r"config.remat_policy='dots' is not one of \(None, 'nothing_"),
-    (dict(val_split='validation'), r"config.val_split='validation': .* not 'validation'"),
+    (dict(val_split='validation'), r"config.evals.val.split='validation': .* not 'validation'"),
     (dict(fewshot=dict(datasets=['no_such_dataset'], shots=[5], seeds=1, every=None,
                        num_test=None, train_split='train', test_split='test')),
-     r"config.fewshot.datasets, 'no_such_dataset': config.dataset='no_such_dataset' is neither"),
+     r"config.evals.fewshot.datasets, 'no_such_dataset': config.dataset='no_such_dataset' is "
+     r'neither'),
 ])
 def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
   with pytest.raises(validation.ConfigError, match=message) as error:
@@ -281,7 +285,7 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
     (dict(val_every=0), r'config.val_every=0 must be None \(eval_every\) or greater than 0'),
     (dict(fewshot=dict(datasets=['x'], shots=[0, 5], seeds=1, every=None, num_test=None,
                        train_split='train', test_split='test')),
-     r'config.fewshot.shots=\(0, 5\) and config.fewshot.seeds=1 must be positive'),
+     r'config.evals.fewshot.shots=\(0, 5\) and config.evals.fewshot.seeds=1 must be positive'),
     (dict(progress_every=0), r'config.progress_every=0 must be greater than 0'),
     (dict(accum_steps=0),
      r"config.accum_steps=0 must be 'auto' \(the fewest that fit\) or greater than 0"),
@@ -372,7 +376,7 @@ def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeyp
   def unreadable_test_split(*args, **kwargs):
     raise OSError('the test split cannot be read')  # As a flaky disk or a bad image would.
 
-  monkeypatch.setattr(train, 'evaluate', unreadable_test_split)
+  monkeypatch.setattr(classification, 'evaluate', unreadable_test_split)
   config = tiny_config(total_steps=4, checkpoint_every=2, eval_every=2, progress_every=2)
   with pytest.raises(OSError, match='the test split cannot be read'):
     train.train_and_evaluate(config, str(tmp_path))

@@ -14,7 +14,7 @@ def get_config():
   config.pp.crop = 28
   config.pp.inception_crop = False
   config.test_split = 'test[:2000]'
-  config.fewshot.datasets = ()  # The default run's few-shot evaluation: tests turn it on.
+  config.evals.fewshot.datasets = ()  # The default run's few-shot evaluation: tests turn it on.
   config.update(dict(batch=64, batch_eval=1000, total_steps=60, warmup_steps=5, base_lr=1e-2,
                      label_smoothing=0.0, progress_every=20, eval_every=60, checkpoint_every=20))
   return config

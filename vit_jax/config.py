@@ -95,8 +95,48 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.sharding = 'data'
   config.logical_axis_rules = []
 
-  # Few-shot linear evaluation of the frozen representation during training (vit_jax/fewshot.py).
+  # Deprecated: few-shot evaluation's fields as older flags and config files set them; None:
+  # unset. vit_jax.evaluators.migrate moves those set into config.evals.fewshot.
   config.fewshot = ml_collections.ConfigDict({
+      field: ml_collections.FieldReference(None, field_type=_type_of(default))
+      for field, default in fewshot_fields().items()})
+
+  # Logging and checkpoints.
+  config.progress_every = 50
+  config.eval_every = 1000
+  config.val_every = ml_collections.FieldReference(None, field_type=int)  # None: eval_every.
+  config.checkpoint_every = 1000
+  config.keep_checkpoints = 2
+
+  # Evaluation: {name: entry}, each entry of a `type` of vit_jax.evaluators.TYPES with its own
+  # data and cadence (`every`); its metrics are named after it (test_accuracy,
+  # fewshot/DATASET_5shot). docs/evaluation.md, "Evaluators", has the fields of each type.
+  config.evals = ml_collections.ConfigDict({
+      # The objective's evaluation (type None) of config.test_split, every config.eval_every.
+      'test': objective_entry(config.get_ref('test_split')),
+      # Of a minival split held out of train_split, e.g. 'train[98%:]'; None: off.
+      'val': objective_entry(ml_collections.FieldReference(None, field_type=str)),
+      # Few-shot linear evaluation of the frozen representation (vit_jax/fewshot.py).
+      'fewshot': {'type': 'fewshot', **fewshot_fields()},
+  })
+  return config
+
+
+def objective_entry(split) -> dict:
+  """An entry of config.evals evaluating `split` by the objective's evaluator (type None)
+  every config.eval_every steps (every None)."""
+  return {'type': ml_collections.FieldReference(None, field_type=str), 'split': split,
+          'every': ml_collections.FieldReference(None, field_type=int)}
+
+
+def _type_of(value) -> type:
+  """The type of a config value, that of a FieldReference's value for one."""
+  return value.get_type() if isinstance(value, ml_collections.FieldReference) else type(value)
+
+
+def fewshot_fields() -> dict:
+  """The fields of few-shot evaluation and their defaults (off: no datasets)."""
+  return {
       'datasets': (),  # (): off.
       'shots': (5, 10),
       'every': ml_collections.FieldReference(None, field_type=int),  # None: at the end only.
@@ -105,15 +145,7 @@ def training_defaults() -> ml_collections.ConfigDict:
       'seeds': 1,
       'train_split': 'train',
       'test_split': 'test',
-  })
-
-  # Logging and checkpoints.
-  config.progress_every = 50
-  config.eval_every = 1000
-  config.val_every = ml_collections.FieldReference(None, field_type=int)  # None: eval_every.
-  config.checkpoint_every = 1000
-  config.keep_checkpoints = 2
-  return config
+  }
 
 
 def with_model(config: ml_collections.ConfigDict, model_name: str) -> ml_collections.ConfigDict:
@@ -173,6 +205,24 @@ def _grown_patch(patch: int, crop: int, new_crop: int) -> int:
                      f'that is a multiple of {crop // math.gcd(patch, crop)} px.')
   return patch * new_crop // crop
 
+
+# One line on each few-shot field (config.evals.fewshot).
+FEWSHOT_HELP = {
+    'datasets': 'Few-shot linear evaluation during training on these datasets (as '
+                f"config.dataset names them; {OWN_DATASET!r}: the run's own); (): off.",
+    'shots': 'Few-shot: the k of k-shot, images per class the regression sees.',
+    'every': 'Few-shot: evaluate every this many steps, and at the end; None: at the end only.',
+    'num_train': 'Few-shot: draw the shots from the first this many images of train_split (all '
+                 "where it has fewer; not where it is sliced itself, e.g. 'train[:500]'); None: "
+                 'all.',
+    'num_test': 'Few-shot: score on the first this many images of test_split (as num_train); '
+                'None: all.',
+    'seeds': 'Few-shot: shot choices averaged over.',
+    'train_split': 'Few-shot: split name the shots (and the held-out images that choose the L2) '
+                   'come from.',
+    'test_split': 'Few-shot: split name scored on.',
+}
+
 # One line on each field, in the order `python -m vit_jax.main --help` lists them.
 FIELD_HELP = {
     'seed': 'Seed of the initial params, the data order and the augmentation.',
@@ -182,8 +232,7 @@ FIELD_HELP = {
     'tfds_manual_dir': 'Where the manually downloaded files of a tfds dataset are.',
     'train_split': "Split string to train on, e.g. 'train[:98%]'.",
     'test_split': "Split string to evaluate on, e.g. 'test'.",
-    'val_split': "Minival split string evaluated on its own, e.g. 'train[98%:]' (held out of "
-                 'train_split); None: none.',
+    'val_split': 'Deprecated: config.evals.val.split.',
     'skip_bad_images': 'Image folders: skip (and count) files that do not decode, instead of '
                        'stopping.',
     'resume_changed_data': 'Resume from a checkpoint whose training data changed since (the '
@@ -246,26 +295,21 @@ FIELD_HELP = {
                 "'fsdp+tensor'.",
     'logical_axis_rules': "(logical axis, 'data' | 'model' | None) rules placed before "
                           "vit_jax.sharding.LOGICAL_AXIS_RULES, e.g. [('mlp', None)].",
-    'fewshot.datasets': 'Few-shot linear evaluation during training on these datasets (as '
-                        f"config.dataset names them; {OWN_DATASET!r}: the run's own); (): off.",
-    'fewshot.shots': 'Few-shot: the k of k-shot, images per class the regression sees.',
-    'fewshot.every': 'Few-shot: evaluate every this many steps, and at the end; None: at the '
-                     'end only.',
-    'fewshot.num_train': 'Few-shot: draw the shots from the first this many images of '
-                         'fewshot.train_split (all where it has fewer; not where it is sliced '
-                         "itself, e.g. 'train[:500]'); None: all.",
-    'fewshot.num_test': 'Few-shot: score on the first this many images of fewshot.test_split '
-                        '(as num_train); None: all.',
-    'fewshot.seeds': 'Few-shot: shot choices averaged over.',
-    'fewshot.train_split': 'Few-shot: split name the shots (and the held-out images that choose '
-                           'the L2) come from.',
-    'fewshot.test_split': 'Few-shot: split name scored on.',
     'progress_every': 'Log the loss and speed every this many steps.',
     'eval_every': 'Evaluate on the test split every this many steps, and at the end.',
-    'val_every': 'Evaluate on val_split every this many steps, and at the end; None: '
-                 'eval_every.',
+    'val_every': 'Deprecated: config.evals.val.every.',
     'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',
     'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints; 0: all of them.',
+    **{f'evals.{name}.{field}': meaning for name in ('test', 'val') for field, meaning in {
+        'type': "Evaluator (vit_jax.evaluators.TYPES): 'classification' or 'mpp'; None: the "
+                "objective's.",
+        'every': 'Evaluate every this many steps, and at the end; None: eval_every.'}.items()},
+    'evals.test.split': 'The same field as test_split.',
+    'evals.val.split': "Minival split string evaluated on its own, e.g. 'train[98%:]' (held out "
+                       'of train_split); None: off.',
+    'evals.fewshot.type': "Evaluator of config.evals.fewshot: 'fewshot'.",
+    **{f'evals.fewshot.{field}': meaning for field, meaning in FEWSHOT_HELP.items()},
+    **{f'fewshot.{field}': f'Deprecated: config.evals.fewshot.{field}.' for field in FEWSHOT_HELP},
 }
 
 
@@ -292,6 +336,14 @@ class Range:
 
 POSITIVE_INT = Range(int, 0, open='low')
 FRACTION = Range(float, 0, 1, open='high')  # A rate in [0, 1).
+
+EVERY = Range(int, 0, open='low', special=((None, 'eval_every'),))
+FEWSHOT_RANGES = {
+    'every': Range(int, 0, open='low', special=((None, 'at the end only'),)),
+    'num_train': Range(int, 0, open='low', special=((None, 'the whole split'),)),
+    'num_test': Range(int, 0, open='low', special=((None, 'the whole split'),)),
+    'seeds': POSITIVE_INT,
+}
 
 # The type and range of every numeric field, checked before anything compiles
 # (validation.values_error); `test_every_numeric_config_field_has_a_range` keeps it complete.
@@ -320,15 +372,17 @@ FIELD_RANGES = {
     'mesh.data': Range(int, 0, open='low',
                        special=((-1, 'all the devices that config.mesh.model leaves'),)),
     'mesh.model': POSITIVE_INT,
-    'fewshot.every': Range(int, 0, open='low', special=((None, 'at the end only'),)),
-    'fewshot.num_train': Range(int, 0, open='low', special=((None, 'the whole split'),)),
-    'fewshot.num_test': Range(int, 0, open='low', special=((None, 'the whole split'),)),
-    'fewshot.seeds': POSITIVE_INT,
     'progress_every': POSITIVE_INT,
     'eval_every': POSITIVE_INT,
-    'val_every': Range(int, 0, open='low', special=((None, 'eval_every'),)),
+    'val_every': EVERY,
     'checkpoint_every': POSITIVE_INT,
     'keep_checkpoints': Range(int, 0, special=((0, 'all of them'),)),
+    'evals.test.every': EVERY,
+    'evals.val.every': EVERY,
+    **{f'evals.fewshot.{field}': allowed for field, allowed in FEWSHOT_RANGES.items()},
+    **{f'fewshot.{field}': dataclasses.replace(
+        allowed, special=((None, f'config.evals.fewshot.{field}'),))
+       for field, allowed in FEWSHOT_RANGES.items()},
     'model.hidden_size': POSITIVE_INT,
     'model.representation_size': Range(int, 0, open='low', special=((None, 'none'),)),
     'model.transformer.mlp_dim': POSITIVE_INT,
@@ -373,9 +427,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 5- and 10-shot accuracy of the representation at the end, on the run's own dataset (with
   # --config.dataset=DIR, that folder): shots drawn from 10,000 training images, scored on 1,000
   # test images (docs/evaluation.md: what it costs).
-  config.fewshot.datasets = (OWN_DATASET,)
-  config.fewshot.num_train = 10_000
-  config.fewshot.num_test = 1000
+  config.evals.fewshot.update(datasets=(OWN_DATASET,), num_train=10_000, num_test=1000)
   return config
 
 

@@ -5,7 +5,6 @@ step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in 
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
 import contextlib
-import functools
 import itertools
 import json
 import logging
@@ -24,7 +23,7 @@ import ml_collections
 
 from vit_jax import checkpoint
 from vit_jax import config as defaults
-from vit_jax import fewshot
+from vit_jax import evaluators
 from vit_jax import fit
 from vit_jax import hardware
 from vit_jax import input_pipeline
@@ -39,8 +38,10 @@ from vit_jax.train_step import TrainState, create_train_state
 from vit_jax.train_step import make_optimizer
 # The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
 # vit_jax.plan to compile the same step.
-from vit_jax.train_setup import build_model, make_mesh, objective_eval_step
+from vit_jax.train_setup import build_model, make_mesh
 from vit_jax.train_setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
+# The evaluation of a split lives in vit_jax.evaluators.classification.
+from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
 from vit_jax.validation import pretrained_file, validate_config
 
 
@@ -59,147 +60,6 @@ def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
   return jax.jit(lambda rng: model_init.init_params(model, rng, image_size))(
       jax.random.PRNGKey(config.seed))
-
-
-def evaluated_on(config: ml_collections.ConfigDict, split: str) -> ml_collections.ConfigDict:
-  """`config` whose test_split (what the input pipeline evaluates) is config.{split}_split."""
-  if split == 'test':
-    return config
-  config = config.copy_and_resolve_references()
-  config.test_split = config[f'{split}_split']
-  return config
-
-
-# The names under which `evaluate` reports the sums of `make_eval_step` (others keep theirs).
-EVAL_NAMES = {'correct': 'accuracy', 'correct_top5': 'top5_accuracy'}
-
-
-@jax.jit
-def added(totals, sums):
-  """`totals` + `sums`, leaf by leaf, in one dispatch rather than one per leaf."""
-  return jax.tree.map(jnp.add, totals, sums)
-
-
-def evaluate(eval_step, params, config, mesh: Mesh, split: str = 'test') -> dict[str, float]:
-  """The means over the whole of config.{split}_split of what `eval_step` sums, as
-  {split}_NAME: top-1 and top-5 accuracy and loss ({split}_accuracy, {split}_top5_accuracy
-  with more than TOP_K classes, {split}_loss), or under masked patch prediction
-  {split}_mpp_loss and {split}_mpp_accuracy; `split` is 'test' or 'val'."""
-  config = evaluated_on(config, split)
-  totals, pacer = None, hardware.Pacer()
-  for batch in input_pipeline.get_eval_iterator(config, mesh):
-    sums = eval_step(params, batch)
-    totals = pacer.step(sums if totals is None else added(totals, sums))
-  totals = jax.device_get(totals)
-  return {f'{split}_{EVAL_NAMES.get(name, name)}': float(total / totals['count'])
-          for name, total in totals.items() if name != 'count'}
-
-
-def evaluation_line(split: str, metrics: dict[str, float]) -> str:
-  """The log line of `evaluate`'s `metrics` of `split`."""
-  if f'{split}_accuracy' in metrics:
-    accuracy, loss = metrics[f'{split}_accuracy'], metrics[f'{split}_loss']
-    top5, ema = metrics.get(f'{split}_top5_accuracy'), metrics.get(f'{split}_accuracy_ema')
-    return (f'{split} accuracy {accuracy:.4f}{"" if top5 is None else f" (top-5 {top5:.4f})"}'
-            f'{"" if ema is None else f", EMA {ema:.4f}"}, {split} loss {loss:.4f}')
-  return ', '.join(f'{name.replace("_", " ")} {value:.4f}' for name, value in metrics.items())
-
-
-def with_ema(evaluate_params: Callable[[Any], dict[str, float]],
-             state: TrainState) -> dict[str, float]:
-  """`evaluate_params(state.params)`, and where the state keeps an EMA of them (config.ema_decay)
-  also `evaluate_params(state.ema)`, its metrics named as those with '_ema' appended."""
-  metrics = evaluate_params(state.params)
-  if state.ema is not None:
-    metrics.update({f'{name}_ema': value for name, value in evaluate_params(state.ema).items()})
-  return metrics
-
-
-def evaluations_due(config: ml_collections.ConfigDict, step: int) -> list[str]:
-  """The splits to evaluate after `step`: 'test' every config.eval_every steps, 'val'
-  (config.val_split, where set) every config.val_every steps; both after the last step."""
-  val_every = config.val_every or config.eval_every
-  due = [split for split, every in (('test', config.eval_every), ('val', val_every))
-         if step % every == 0 or step == config.total_steps]
-  return [split for split in due if split == 'test' or config.val_split]
-
-
-def fewshot_datasets(config: ml_collections.ConfigDict) -> list[str]:
-  """The datasets of config.fewshot.datasets, defaults.OWN_DATASET replaced by config.dataset,
-  each once."""
-  return list(dict.fromkeys(config.dataset if dataset == defaults.OWN_DATASET else dataset
-                            for dataset in config.fewshot.datasets))
-
-
-def fewshot_config(config: ml_collections.ConfigDict, dataset: str) -> ml_collections.ConfigDict:
-  """`config` with the dataset and the splits of few-shot evaluation on `dataset`: the first
-  config.fewshot.num_train and num_test images of its fewshot.train_split and test_split (see
-  `first_images`)."""
-  config = config.copy_and_resolve_references()
-  config.dataset = dataset
-  config.train_split = first_images(config, config.fewshot.train_split, config.fewshot.num_train)
-  config.test_split = first_images(config, config.fewshot.test_split, config.fewshot.num_test)
-  return config
-
-
-def first_images(config: ml_collections.ConfigDict, split: str, count: int | None) -> str:
-  """The split string of the first `count` images of `split` of config.dataset (all of them
-  where it has fewer); `split` itself for `count` None, or where it holds a slice of its own
-  ('train[:1000]': split strings cannot slice a slice)."""
-  if not count or '[' in split:
-    return split
-  return f'{split}[:{min(count, input_pipeline.num_examples(config, split))}]'
-
-
-def fewshot_plan(config: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
-  """{dataset: shots} of few-shot evaluation: for each of `fewshot_datasets`, the k of
-  config.fewshot.shots for which every class of config.fewshot.train_split has k shots and
-  fewshot.HOLDOUT further images; logs a warning for each dataset that lacks images for some,
-  and for each of fewer than 2 classes (left out).
-  Raises ConfigError, naming the dataset, where a dataset or split does not exist or a test image
-  does not decode."""
-  plan = {}
-  for dataset in fewshot_datasets(config):
-    with data_errors(f'config.fewshot.datasets, {dataset!r}: '):
-      dataset_config = fewshot_config(config, dataset)
-      input_pipeline.get_dataset_info(dataset_config)
-      sizes = fewshot.class_sizes(dataset_config, dataset_config.train_split)
-    if len(sizes) < 2:
-      logging.warning('Few-shot evaluation skips %s: it has %d class, and a classifier needs 2 '
-                      'or more.', dataset, len(sizes))
-      continue
-    smallest = int(sizes.min())
-    shots = tuple(k for k in config.fewshot.shots if k + fewshot.HOLDOUT <= smallest)
-    if skipped := [k for k in config.fewshot.shots if k not in shots]:
-      logging.warning(
-          'Few-shot evaluation on %s skips %s-shot: k-shot needs k + %d images of each class in '
-          '%r (k shots, %d held out to choose the L2), and its smallest class has %d.', dataset,
-          '/'.join(map(str, skipped)), fewshot.HOLDOUT, dataset_config.train_split,
-          fewshot.HOLDOUT, smallest)
-    if shots:
-      plan[dataset] = shots
-  return plan
-
-
-def evaluate_fewshot(model, params, config, mesh: Mesh,
-                     plan: dict[str, tuple[int, ...]] | None = None) -> dict[str, float]:
-  """{'fewshot/<dataset>_<k>shot': linear k-shot accuracy of the frozen features, the mean over
-  config.fewshot.seeds shot choices} for each dataset and k of `plan` (default:
-  `fewshot_plan(config)`)."""
-  metrics = {}
-  for dataset, shots in (fewshot_plan(config) if plan is None else plan).items():
-    results = fewshot.evaluate(model, params, fewshot_config(config, dataset), shots,
-                               range(config.fewshot.seeds), fewshot.HOLDOUT, mesh)
-    name = os.path.basename(os.path.normpath(dataset))  # Image folders: the folder's name.
-    metrics.update({f'fewshot/{name}_{k}shot': results[k]['mean'] for k in shots})
-  return metrics
-
-
-def fewshot_due(config: ml_collections.ConfigDict, step: int) -> bool:
-  """Whether few-shot evaluation (where it has datasets) runs after `step`: every
-  config.fewshot.every steps, and after the last step."""
-  every = config.fewshot.every or config.total_steps
-  return step % every == 0 or step == config.total_steps
 
 
 # The loop.
@@ -366,14 +226,6 @@ def warn_of_repetition(config: ml_collections.ConfigDict,
         f'{config.total_steps:,}', config.batch, SMALL_DATA_CONFIG, MAX_PASSES)
 
 
-def check_fewshot_model(model) -> None:
-  """Raises ConfigError where config.fewshot cannot evaluate `model` in this run."""
-  try:
-    fewshot.check_model(model)
-  except ValueError as e:
-    raise ConfigError(f'config.fewshot.datasets: {e}') from None
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
@@ -385,10 +237,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   check_classes(config, info)
   logging.info('%s', dataset_line(config, info))
   warn_of_repetition(config, info)
-  if config.val_split:
-    check_data(evaluated_on(config, 'val'), f'config.val_split={config.val_split!r}: ')
-  plan = fewshot_plan(config)
   mesh = make_mesh(config)
+  model = build_model(config, info.num_classes)
+  evals = evaluators.build(config, model, mesh)  # Checks their data before anything compiles.
   logging.info('Mesh: %s over %d %s devices.', dict(mesh.shape), mesh.size,
                mesh.devices.flat[0].platform)
   limit, where = fit.device_memory_limit(mesh.local_devices[0])
@@ -396,9 +247,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
     logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
                  config.accum_steps)
-  model = build_model(config, info.num_classes)
-  if plan:
-    check_fewshot_model(model)
   optimizer = make_optimizer(config)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -416,7 +264,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
-                                checkpoints, plan)
+                                checkpoints, evals)
   except CheckpointSaveError as e:
     if e.final_state is None:
       raise
@@ -471,29 +319,25 @@ def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir:
 
 
 def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints,
-          fewshot_shots: dict[str, tuple[int, ...]]):
-  """Compiles the steps and runs them from `state.step` on; returns the last state and metrics.
+          evals: list[evaluators.Evaluator]):
+  """Compiles the steps and runs them from `state.step` on, with the evaluators `evals`;
+  returns the last state and metrics.
 
-  A run that has already reached `config.total_steps` is evaluated once instead. Few-shot
-  evaluation runs on the datasets and shots of `fewshot_shots` (`fewshot_plan`), where any.
+  A run that has already reached `config.total_steps` is evaluated once instead.
   """
-  eval_step = jax.jit(objective_eval_step(model, config))
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
   writer = metric_writers.AsyncMultiWriter(
       [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
-  fewshot_eval = (functools.partial(evaluate_fewshot, model, config=config, mesh=mesh,
-                                    plan=fewshot_shots) if fewshot_shots else None)
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
     preemption = PreemptionWatcher()
     try:
       with preemption.stops_evaluation(final_step=int(state.step)):
-        metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh),
-                           state)
-        if fewshot_eval:
-          metrics.update(with_ema(fewshot_eval, state))
+        # Not written: TensorBoard has this step's evaluation from the run that reached it.
+        metrics = evaluate_due(config, int(state.step), state, evals,
+                               metric_writers.MultiWriter([]))
       return state, metrics
     except EvaluationStopped as e:
       return state, stop_evaluation(e, int(state.step), final=True)
@@ -510,18 +354,17 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
                flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
   preemption = PreemptionWatcher()
   try:
-    return run_steps(config, state, train_step, eval_step, train_iter, mesh, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops, fewshot_eval)
+    return run_steps(config, state, train_step, evals, train_iter, writer, checkpoints,
+                     preemption, flops_per_image / peak_flops)
   finally:
     preemption.close()
     writer.flush()
 
 
-def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
-              checkpoints: Checkpoints, preemption, flops_per_image_over_peak, fewshot_eval):
-  """The step loop, from `state.step` to `config.total_steps` or a preemption.
-
-  `fewshot_eval(params)` returns the few-shot metrics, run where `fewshot_due`; None: none.
+def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], train_iter, writer,
+              checkpoints: Checkpoints, preemption, flops_per_image_over_peak):
+  """The step loop, from `state.step` to `config.total_steps` or a preemption; after each
+  step the evaluators of `evals` that are due (evaluators.is_due) run.
 
   Returns the last state and the last metrics; these hold 'preempted_at_step' after a SIGTERM
   or SIGINT. Each step's checkpoint is started before its evaluation, so a failing evaluation
@@ -577,8 +420,7 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
       try:
         with preemption.stops_evaluation(
             final_step=step if step == config.total_steps else None):
-          last_metrics.update(evaluate_due(config, step, state, eval_step, fewshot_eval, mesh,
-                                           writer))
+          last_metrics.update(evaluate_due(config, step, state, evals, writer))
       except EvaluationStopped as e:
         if not checkpointed:
           check_finite(step, metrics)
@@ -597,25 +439,23 @@ def run_steps(config, state, train_step, eval_step, train_iter, mesh, writer,
   return state, last_metrics
 
 
-def evaluate_due(config, step: int, state: TrainState, eval_step, fewshot_eval, mesh: Mesh,
+def evaluate_due(config, step: int, state: TrainState, evals: list[evaluators.Evaluator],
                  writer) -> dict[str, float]:
-  """Runs the evaluations due after `step` (`evaluations_due`, `fewshot_due`) of `state`, logs
-  them and writes them to `writer`; returns their metrics."""
+  """Runs the evaluators of `evals` due after `step` (all of them after the last step) on the
+  params of `state`, and where it keeps an EMA of them (config.ema_decay) on that too, its
+  metrics named with '_ema' appended; logs each evaluator's line, writes its metrics to
+  `writer` and returns them all."""
   metrics = {}
-  for split in evaluations_due(config, step):
-    eval_metrics = with_ema(functools.partial(evaluate, eval_step, config=config, mesh=mesh,
-                                              split=split), state)
-    writer.write_scalars(step, eval_metrics)
-    logging.info('step %d: %s', step, evaluation_line(split, eval_metrics))
-    metrics.update(eval_metrics)
-  if fewshot_eval and fewshot_due(config, step):
-    eval_start = time.perf_counter()
-    fewshot_metrics = with_ema(fewshot_eval, state)
-    writer.write_scalars(step, fewshot_metrics)
-    logging.info('step %d: few-shot linear accuracy %s (%.1f s)', step, ', '.join(
-        f'{tag[len("fewshot/"):]} {value:.4f}' for tag, value in fewshot_metrics.items()),
-                 time.perf_counter() - eval_start)
-    metrics.update(fewshot_metrics)
+  for evaluator in evals:
+    if not evaluators.is_due(evaluator, step, config.total_steps):
+      continue
+    start = time.perf_counter()
+    evaluated = evaluator.run(state.params)
+    if state.ema is not None:
+      evaluated.update({f'{name}_ema': value for name, value in evaluator.run(state.ema).items()})
+    writer.write_scalars(step, evaluated)
+    logging.info('step %d: %s', step, evaluator.line(evaluated, time.perf_counter() - start))
+    metrics.update(evaluated)
   return metrics
 
 

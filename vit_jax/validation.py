@@ -128,15 +128,16 @@ def range_error(field: str, value, allowed: defaults.Range) -> str | None:
 
 def values_error(config: ml_collections.ConfigDict) -> str | None:
   """Why a field value of `config` cannot work on any devices, or None where all can: first
-  the type and range of each numeric field (vit_jax.config.FIELD_RANGES)."""
+  the type and range of each numeric field (vit_jax.config.FIELD_RANGES), then the entries of
+  config.evals (vit_jax.evaluators.config_error)."""
   absent = object()
   for field, allowed in defaults.FIELD_RANGES.items():
     value = field_at(config, field, missing=absent)
     if value is not absent and (error := range_error(field, value, allowed)):
       return error
-  if config.fewshot.datasets and not (config.fewshot.shots and min(config.fewshot.shots) > 0):
-    return (f'config.fewshot.shots={tuple(config.fewshot.shots)} and config.fewshot.seeds='
-            f'{config.fewshot.seeds} must be positive, e.g. (5, 10) and 1.')
+  from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
+  if error := evaluators.config_error(config):
+    return error
   if error := randaug_error(config.pp.get('randaug')):
     return error
   if error := mpp.config_error(config):
@@ -153,7 +154,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ConfigError for a config that cannot train, before anything is compiled; first sets
-  `config.model` to the model `config.model_name` names, where they differ (vit_jax.config)."""
+  `config.model` to the model `config.model_name` names, where they differ (vit_jax.config), and
+  moves the deprecated evaluation fields into config.evals (vit_jax.evaluators.migrate)."""
   check_pretrained_path(config)
   use_published_model(config)
   try:
@@ -163,6 +165,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
   if error := (values_error(config) or mesh_error(config, num_devices) or
                batch_split_error(config, data_parallel_size(config, num_devices))):
     raise ConfigError(error)
+  from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
+  evaluators.migrate(config)
   model = models.get_model(config.model, num_classes=1)
   if error := models_vit.stochastic_depth_error(model.stochastic_depth,
                                                 model.stochastic_depth_schedule):
