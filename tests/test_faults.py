@@ -11,6 +11,7 @@ writes with another error (EFBIG) and leaves the file system's free space as it 
 not show what a full disk does to Orbax, TensorStore, numpy or safetensors. Where mounting is not
 permitted, these tests skip and say so.
 """
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ from test_main import run_main
 from vit_jax import checkpoint
 from vit_jax import heartbeats
 from vit_jax import input_pipeline_sources
+from vit_jax import summaries
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
 FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
@@ -127,6 +129,24 @@ def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_fi
           ' free there. The checkpoint of step 10 is complete: free some space and run the '
           'same command again to write the file.'), errors[0]), rerun.log
   assert not [name for name in os.listdir(workdir) if name.startswith('model')]
+
+
+def test_summaries_on_a_full_disk_stop_with_one_warning_and_the_run_goes_on(small_disk, caplog):
+  """TensorBoard's writes fail first where the checkpoint due next is far off: one warning, no
+  traceback from the writer's thread, and the writes after it do nothing."""
+  writer = summaries.writer(str(small_disk), is_main=True)
+  writer.write_scalars(1, {'loss': 1.0})
+  writer.flush()
+  fill(small_disk)
+  many = {f'metric_{i}': 1.0 for i in range(200)}  # More than the file's last page holds.
+  for step in (2, 3):
+    writer.write_scalars(step, many)
+    writer.flush()
+  writer.close()
+  records = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+  assert records == [('WARNING', f'TensorBoard summaries stopped: writing them to {small_disk} '
+                      'failed (No space left on device; 0 bytes free).')], records
+  assert not any(r.exc_info for r in caplog.records)
 
 
 @pytest.mark.parametrize('format_name', ['timm', 'hf', 'saved_model'])

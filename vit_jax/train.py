@@ -30,6 +30,7 @@ from vit_jax import input_pipeline
 from vit_jax import model_init
 from vit_jax import models
 from vit_jax import registry
+from vit_jax import summaries
 from vit_jax.errors import ConfigError
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
@@ -327,8 +328,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   """
   is_main = jax.process_index() == 0
   # Metrics and hparams go to TensorBoard only (the console shows the progress lines).
-  writer = metric_writers.AsyncMultiWriter(
-      [metric_writers.SummaryWriter(checkpoints.workdir)] if is_main else [])
+  writer = summaries.writer(checkpoints.workdir, is_main)
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
