@@ -1,6 +1,7 @@
 """Faults during a run, as an operator meets them: a file system that fills to the byte, a
 SIGTERM during the final evaluation (of one process or two), training images changed between a
-run and its resume, a process of a two-process run that dies.
+run and its resume, a process of a two-process run that dies (process 1, or process 0 with JAX's
+coordination service).
 
 Each test runs the command a user types in a subprocess, with the device count it picks for
 itself (helpers.xla_flags(None)).
@@ -264,11 +265,26 @@ def test_sigterm_to_one_process_during_the_final_evaluation_stops_both_at_once(t
   assert not (tmp_path / 'model.npz').exists()
 
 
+# A run long enough to be killed in the middle, a checkpoint every 10 steps.
+KILLED_RUN = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
+              'progress_every': 10}
+
+
+def stopped_too(process, workdir):
+  """The end of the line of a gone process, on `process`, as a regular expression."""
+  return (rf' Stopped process {process} too; the last complete checkpoint is step [0-9]+\. To '
+          r'resume from it, start all 2 processes again with their commands, this one: python '
+          rf'-m vit_jax\.main .*--process_id={process} --workdir=' + re.escape(str(workdir)))
+
+
+def named_checkpoint_is_complete(line, workdir):
+  step = int(re.search(r'checkpoint is step ([0-9]+)', line)[1])
+  return str(step) in os.listdir(workdir / 'checkpoints')
+
+
 def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
     tmp_path):
-  overrides = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
-               'progress_every': 10}
-  runs = two_processes(tmp_path, overrides)
+  runs = two_processes(tmp_path, KILLED_RUN)
   runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
   runs[1].process.kill()  # As a host that dies: no goodbye.
   killed = time.monotonic()
@@ -279,10 +295,56 @@ def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_
   last = runs[0].log.strip().splitlines()[-1]
   assert re.fullmatch(
       r'Process error: process 1 of 2 sent no heartbeat for [0-9]+ s: it was killed, or its '
-      r'host died or hangs\. Stopped process 0 too; the last complete checkpoint is step '
-      r'[0-9]+\. To resume from it, start all 2 processes again with their commands, this '
-      r'one: python -m vit_jax\.main .*--process_id=0 --workdir=' + re.escape(str(tmp_path)),
-      last), runs[0].log
+      r'host died or hangs\.' + stopped_too(0, tmp_path), last), runs[0].log
   assert 'Traceback' not in runs[0].log and 'Fatal Python error' not in runs[0].log
-  step = int(re.search(r'checkpoint is step ([0-9]+)', last)[1])
-  assert str(step) in os.listdir(tmp_path / 'checkpoints')
+  assert named_checkpoint_is_complete(last, tmp_path)
+
+
+def test_process_0_killed_in_a_two_process_run_is_named_in_one_line_by_the_other(tmp_path):
+  runs = two_processes(tmp_path, KILLED_RUN)
+  runs[0].wait_for(lambda: (tmp_path / 'checkpoints' / '10').exists(), 'the checkpoint of 10')
+  runs[0].process.kill()  # JAX's coordination service goes with it.
+  killed = time.monotonic()
+  assert runs[1].finish() != 0, runs[1].log  # Its output ended too: the filter is gone.
+  assert time.monotonic() - killed < 20, runs[1].log  # Not the runtime's heartbeat timeout.
+  runs[0].finish()
+  last = runs[1].log.strip().splitlines()[-1]
+  assert re.fullmatch(
+      r"Process error: process 0 of 2, which serves JAX's coordination service, no longer "
+      r'answers: it was killed, or its host died or hangs\.' + stopped_too(1, tmp_path),
+      last), runs[1].log
+  # Neither jaxlib's fatal line, nor the warnings that come with it, nor the dumps after it.
+  assert runs[1].log.count('coordination service') == 1, runs[1].log
+  for dump in ('Check failure stack trace', 'Fatal Python error', 'Thread 0x', 'Traceback'):
+    assert dump not in runs[1].log
+  assert named_checkpoint_is_complete(last, tmp_path)
+
+
+# A process that writes to its stderr through the filter, as process 1 of 2 does, and stops at
+# SIGTERM with a line of its own and a C++ log line (which the filter holds for a while).
+FILTERED = """
+import os, signal, sys, time
+from vit_jax import gone_process
+gone_process.filter_stderr(sys.argv[1], 2, 1, 'python -m vit_jax.main --process_id=1')
+def stop(signum, frame):
+  print('stopping', file=sys.stderr, flush=True)
+  os.write(2, b'W1202 10:00:00.000000    42 native.cc:1] a C++ warning\\n')
+  sys.exit(0)
+signal.signal(signal.SIGINT, lambda signum, frame: print('SIGINT', file=sys.stderr, flush=True))
+signal.signal(signal.SIGTERM, stop)
+print('started', file=sys.stderr, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_filter_of_stderr_passes_every_line_on_and_outlives_its_process_group_s_signals(
+    tmp_path):
+  process = subprocess.Popen([sys.executable, '-c', FILTERED, str(tmp_path)],
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+  assert process.stderr.readline() == 'started\n'
+  os.killpg(process.pid, signal.SIGINT)  # As a terminal's Ctrl-C.
+  assert process.stderr.readline() == 'SIGINT\n'
+  os.killpg(process.pid, signal.SIGTERM)  # As a scheduler's stop.
+  assert process.stderr.read() == (
+      'stopping\nW1202 10:00:00.000000    42 native.cc:1] a C++ warning\n')
+  assert process.wait() == 0

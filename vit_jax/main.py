@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from vit_jax import config as default_config
 from vit_jax import console
+from vit_jax import gone_process
 from vit_jax import hardware
 from vit_jax import heartbeats
 from vit_jax import validation
@@ -140,25 +141,15 @@ def initialize_distributed() -> bool:
   return True
 
 
-def last_checkpoint(workdir: str) -> str:
-  """'step N' of the newest complete checkpoint in WORKDIR/checkpoints, or 'none'."""
-  directory = os.path.join(workdir, 'checkpoints')
-  steps = [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
-  return f'step {max(steps)}' if steps else 'none'
-
-
 def exit_for_gone_process(workdir: str, process: int, seconds: float) -> None:
   """heartbeats.PeerWatch's `on_gone`: says in one line which process is gone and how to
   resume, and ends this process at once (its collectives would wait for the gone one until
   JAX's runtime aborts it)."""
   for handler in logging.getLogger().handlers:
     handler.flush()
-  sys.stderr.write(
-      f'Process error: process {process} of {jax.process_count()} sent no heartbeat for '
-      f'{seconds:.0f} s: it was killed, or its host died or hangs. Stopped process '
-      f'{jax.process_index()} too; the last complete checkpoint is {last_checkpoint(workdir)}. '
-      f'To resume from it, start all {jax.process_count()} processes again with their '
-      f'commands, this one: {resume_command(workdir)}\n')
+  sys.stderr.write(gone_process.gone_line(
+      f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s',
+      workdir, jax.process_count(), jax.process_index(), resume_command(workdir)) + '\n')
   sys.stderr.flush()
   os._exit(1)
 
@@ -285,8 +276,11 @@ def main(argv):
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')
-    if jax.process_index() > 0 and not log_all:  # Process 0 speaks for all.
-      logging.getLogger().setLevel(logging.WARNING)
+    if jax.process_index() > 0:  # Process 0 speaks for all; these say if it is gone.
+      gone_process.filter_stderr(flags.FLAGS.workdir, jax.process_count(), jax.process_index(),
+                                 resume_command(flags.FLAGS.workdir))
+      if not log_all:
+        logging.getLogger().setLevel(logging.WARNING)
   workdir = flags.FLAGS.workdir or default_workdir(flags.FLAGS['config'].config_filename,
                                                    overridden_dataset(config, sys.argv))
   logging.info('Workdir: %s', os.path.abspath(workdir))
