@@ -16,8 +16,9 @@ to --out: the preset, its `python -m vit_jax.plan` command, the plan (or the con
 date and the machine. `--table` prints the smallest fitting slice of each search as a markdown
 table row. `--on` compiles on the slices named instead of searching.
 
-All rows train in bfloat16 with scanned blocks (`--config.scan_layers=True`: compile time
-independent of depth); fsdp+tensor puts 4 chips (one host's) on the mesh's 'model' axis.
+All rows train in bfloat16, with the presets' unscanned blocks (scanned ones compile faster, but
+need other memory, and `cost_analysis` counts their loop's FLOPs once: docs/tpu_plan.md);
+fsdp+tensor puts 4 chips (one host's) on the mesh's 'model' axis.
 """
 import argparse
 import datetime
@@ -45,7 +46,7 @@ PRESETS = {
     'augreg-l16': ('configs/augreg.py', 'L/16,i1k', {}),
     'h14-224-b4096': ('configs/vit.py', 'h14,imagenet2012', {'pp.crop': 224, 'batch': 4096}),
 }
-COMMON = {'dtype': 'bfloat16', 'scan_layers': True}
+COMMON = {'dtype': 'bfloat16'}
 SHARDINGS = {'data': 1, 'fsdp': 1, 'fsdp+tensor': 4}  # Strategy: chips on the 'model' axis.
 
 

@@ -5,10 +5,12 @@
 It builds the step as `vit_jax.main` would (model, optimiser, train state, shardings, mesh, step
 function: vit_jax.fit.lower_train_step), and the evaluation step, and compiles both with libtpu's
 compiler for compile-only devices of the slice (jax.experimental.topologies), with no dataset
-and no TensorFlow. It prints the per-chip memory against the chip's HBM, the FLOPs and a roofline
-bound on the step time, and exits 0 where the step fits, 1 where it does not (the one line then
-names what would fit, as main's check does). NAME is a Cloud TPU accelerator type: v4-8 ...
-v4-4096, v5e-1 ... v5e-256 (or v5litepod-N), v5p-8 ..., v6e-1 ... v6e-256.
+and no TensorFlow. It prints one short table: per chip, the memory against the chip's HBM, the
+FLOPs, a roofline bound on the step time, the TPU kernels the step calls (Pallas custom calls,
+such as splash attention's forward and backward), and the compile time. It exits 0 where the
+step fits, 1 where it does not (the one line then names what would fit, as main's check does).
+NAME is a Cloud TPU accelerator type: v4-8 ... v4-4096, v5e-1 ... v5e-256 (or v5litepod-N),
+v5p-8 ..., v6e-1 ... v6e-256.
 """
 import dataclasses
 import importlib.metadata
@@ -303,6 +305,11 @@ def libtpu_version() -> str | None:
     return None
 
 
+# XLA's cost analysis counts a while loop's body once, whatever its trip count.
+SCANNED_FLOPS_NOTE = ('Scanned blocks: the FLOPs and the roofline count one block of the loop '
+                      "(XLA's cost analysis); --config.scan_layers=False counts them all.")
+
+
 def table_rows(result: dict) -> list[tuple[str, str]]:
   """(label, value) rows of the plan's table: per chip memory against HBM, FLOPs, roofline,
   kernels, compile time."""
@@ -344,7 +351,8 @@ def summary(result: dict) -> str:
       f"{topology['name']} x {topology['slices']} slice(s): {topology['chips']} chip(s), "
       f"{topology['hosts']} host(s), mesh {mesh} (jax {result['versions']['jax']}, libtpu "
       f"{result['versions']['libtpu']})",
-      'per chip:'] + [f'  {label:<{label_width}}  {value:>10}' for label, value in rows])
+      'per chip:'] + [f'  {label:<{label_width}}  {value:>10}' for label, value in rows]
+      + ([SCANNED_FLOPS_NOTE] if config['scan_layers'] and result['fits'] else []))
 
 
 def write_json(result: dict, path: str) -> None:
