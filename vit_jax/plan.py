@@ -305,9 +305,12 @@ def libtpu_version() -> str | None:
     return None
 
 
-# XLA's cost analysis counts a while loop's body once, whatever its trip count.
+# XLA's cost analysis counts a while loop's body once, whatever its trip count, and nothing of
+# a custom call's work.
 SCANNED_FLOPS_NOTE = ('Scanned blocks: the FLOPs and the roofline count one block of the loop '
                       "(XLA's cost analysis); --config.scan_layers=False counts them all.")
+KERNEL_FLOPS_NOTE = ("TPU kernels: the FLOPs and the roofline leave theirs out (XLA's cost "
+                     'analysis cannot see them).')
 
 
 def table_rows(result: dict) -> list[tuple[str, str]]:
@@ -352,7 +355,16 @@ def summary(result: dict) -> str:
       f"{topology['hosts']} host(s), mesh {mesh} (jax {result['versions']['jax']}, libtpu "
       f"{result['versions']['libtpu']})",
       'per chip:'] + [f'  {label:<{label_width}}  {value:>10}' for label, value in rows]
-      + ([SCANNED_FLOPS_NOTE] if config['scan_layers'] and result['fits'] else []))
+      + flops_notes(result))
+
+
+def flops_notes(result: dict) -> list[str]:
+  """The notes on FLOPs that the cost analysis of a fitting step leaves out: those of all but
+  one scanned block, and those of TPU kernels."""
+  if not result['fits']:
+    return []
+  return (([SCANNED_FLOPS_NOTE] if result['config']['scan_layers'] else [])
+          + ([KERNEL_FLOPS_NOTE] if result['tpu_custom_calls'] else []))
 
 
 def write_json(result: dict, path: str) -> None:
