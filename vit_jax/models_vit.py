@@ -155,8 +155,9 @@ def attention_error(attention: str, platform: str) -> Optional[str]:
 
 def resolve_attention(attention: str, devices) -> str:
   """The attention kernel for a model run on `devices`: 'auto' is 'cudnn' on NVIDIA GPUs and
-  'xla' elsewhere (also on TPUs, where splash is not yet measured faster); the others stay as
-  they are. A ValueError (`attention_error`) for a kernel the devices cannot run."""
+  'xla' elsewhere (also on TPUs: 'splash' replaces it there only once a TPU measures it
+  faster); the others stay as they are. A ValueError (`attention_error`) for a kernel the
+  devices cannot run."""
   device = devices[0]
   if error := attention_error(attention, device.platform):
     raise ValueError(error)
@@ -198,7 +199,7 @@ def splash_attention(q, k, v, interpret: bool = False):
   padded = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
   keys = np.broadcast_to(np.arange(padded) < t, (padded, padded))
 
-  def per_device(q, k, v):  # (B', N', T', K) each: a device's batch and heads.
+  def per_device(q, k, v):  # (B', N', padded, K) each: a device's share of batch and heads.
     mask = splash.MultiHeadMask([splash.NumpyMask(keys)] * q.shape[1])
     return jax.vmap(splash.make_splash_mha_single_device(mask, interpret=interpret))(q, k, v)
 
