@@ -59,6 +59,7 @@ def test_train_step_counts_three_forward_passes(tmp_path):
     (['--model', 'ViT-Z_7'], 'is unknown'),
     (['--image_size', '30'], 'not divisible by the patch size 16x16'),
     (['--batch', '0'], 'must be at least 1'),
+    (['--attention', 'splash', '--train'], "'splash' is a TPU kernel, and these are CPU devices"),
 ])
 def test_bad_arguments_name_the_flag(flags, message, capsys):
   with pytest.raises(SystemExit) as exit_status:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from vit_jax import config as defaults
 from vit_jax import console
 from vit_jax import fit
 from vit_jax import models
+from vit_jax import models_vit
 from vit_jax import plan
 from vit_jax import registry
 from vit_jax import train_setup
@@ -69,6 +71,17 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
     value = chip.get(key, result.get(key))
     assert value > 0, key
   assert result['versions']['libtpu'] == '0.0.42.1'
+  # One short table: per chip, labels aligned and values right-aligned.
+  table = run.stdout.split('per chip:\n')[1].splitlines()
+  rows = [line for line in table if line.startswith('  ')]
+  assert 10 <= len(rows) <= 20
+  labels = [line.split('  ')[1] for line in rows]
+  for label in ('params + optimiser state', 'temporaries', 'outputs', 'total', 'HBM', 'fits',
+                'FLOPs per step', 'roofline step', 'roofline images/s', 'compile'):
+    assert label in labels, label
+  assert len({len(line) for line in rows}) == 1
+  assert rows[labels.index('HBM')].endswith(' 14.90 GiB')  # 16 GB.
+  assert rows[labels.index('fits')].endswith(' yes')
 
 
 @pytest.mark.parametrize('name, chips, hosts, grid', [
@@ -106,6 +119,59 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
   assert {d.platform for d in mesh.devices.flat} == {'tpu'}
   assert dict(mesh.shape) == {'data': 4 // model_axis, 'model': model_axis}
   assert 0 < fit.memory_of(compiled).total_bytes < plan.GENERATIONS['v5e'].hbm_bytes
+
+
+def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
+  config = helpers.tiny_config(attention='splash', dtype='bfloat16')
+  result = plan.plan(config, plan.parse_topology('v5e-4'), 10)
+  assert result['fits'] and result['config']['attention'] == 'splash'
+  # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
+  assert result['tpu_custom_calls'] == {'splash_mha_fwd_residuals': 1,
+                                        'splash_mha_dq_no_residuals': 1,
+                                        'splash_mha_dkv_no_residuals': 1}
+
+
+def test_splash_attention_runs_per_device_under_fsdp_tensor_in_scanned_rematerialised_blocks():
+  config = helpers.tiny_config(attention='splash', dtype='bfloat16', sharding='fsdp+tensor',
+                               scan_layers=True, remat_policy='nothing_saveable')
+  config.mesh.model = 2
+  hlo = fit.lower_train_step(config, tpu_mesh(config, 'v5e-4'), 10).compile().as_text()
+  calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+  names = sorted(line.split(' = ')[0].strip().lstrip('%').rsplit('.', 1)[0] for line in calls)
+  # The forward kernel twice: in the forward pass, and recomputed in the backward pass.
+  assert names == ['splash_mha_dkv_no_residuals', 'splash_mha_dq_no_residuals',
+                   'splash_mha_fwd_residuals', 'splash_mha_fwd_residuals']
+  # Each device's kernel takes its share: 64 / 2 images, 2 / 2 heads, the 17 tokens padded to
+  # 128, heads of 32 / 2 = 16.
+  assert all('bf16[32,1,128,16]' in line for line in calls)
+
+
+def test_splash_attention_masks_the_padded_tokens_as_softmax_attention_would():
+  # 50 tokens, padded to 128 inside: 78 padded keys that must take no weight. The kernel runs
+  # in Pallas's interpreter, on this CPU.
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 3, 50, 16)), jnp.float32) for _ in range(3))
+
+  def softmax_attention(q, k, v):
+    return jnp.einsum('bnqt,bntk->bnqk', jax.nn.softmax(jnp.einsum('bnqk,bntk->bnqt', q, k)), v)
+
+  splash = lambda q, k, v: models_vit.splash_attention(q, k, v, interpret=True)
+  np.testing.assert_allclose(splash(q, k, v), softmax_attention(q, k, v), atol=1e-5)
+  weighted = lambda attention: lambda *qkv: jnp.sum(attention(*qkv) * jnp.arange(16.0))
+  for got, expected in zip(jax.grad(weighted(splash), argnums=(0, 1, 2))(q, k, v),
+                           jax.grad(weighted(softmax_attention), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_main_refuses_splash_attention_on_a_cpu_with_one_line(tmp_path):
+  run = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={tmp_path}',
+       '--config.attention=splash'],
+      env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 1 and 'Traceback' not in run.stderr
+  assert run.stderr.strip().splitlines()[-1] == (
+      "Config error: config.attention='splash' is a TPU kernel, and these are CPU devices: "
+      "choose 'auto' or 'xla'.")
 
 
 def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():

@@ -255,8 +255,9 @@ FIELD_HELP = {
     'scan_layers': 'Run the blocks as one nn.scan: compile time independent of depth.',
     'remat_policy': 'Rematerialise blocks under this jax.checkpoint policy, e.g. '
                     "'nothing_saveable'; None: off.",
-    'attention': "Attention kernel: 'xla', 'cudnn' (fused; NVIDIA GPUs, 16-bit floats) or "
-                 "'auto' (cudnn on NVIDIA GPUs, else xla).",
+    'attention': "Attention kernel: 'xla', 'cudnn' (fused; NVIDIA GPUs, 16-bit floats), "
+                 "'splash' (Pallas flash attention; TPUs) or 'auto' (cudnn on NVIDIA GPUs, else "
+                 'xla: also on TPUs, until a TPU measures splash faster).',
     'posemb': "Position information: 'learned_1d' (published), 'none', 'learned_2d', "
               "'relative' (attention bias; XLA attention) or 'sincos_2d' (fixed).",
     'pretrained_path': 'Fine-tune from this .npz checkpoint, training workdir, or published name '

@@ -211,13 +211,18 @@ def format_result(r: dict) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-  """Exits with status 1 and a one-line message for a model, batch or image size that cannot
-  run."""
+  """Exits with status 1 and a one-line message for a model, batch, attention kernel or image
+  size that cannot run."""
   if args.model not in models.MODEL_CONFIGS:
     sys.exit(f'error: --model {args.model!r} is unknown; choose one of '
              f'{", ".join(models.MODEL_CONFIGS)}.')
   if args.batch < 1 or args.rounds < 1:
     sys.exit(f'error: --batch {args.batch} and --rounds {args.rounds} must be at least 1.')
+  if error := models_vit.attention_error(args.attention, jax.default_backend()):
+    sys.exit(f'error: --{error}')
+  if args.attention == 'splash' and not args.train:  # Inference applies the model off a mesh.
+    sys.exit('error: --attention=splash runs in training steps (under their mesh) only: add '
+             '--train, or choose auto or xla.')
   images = jax.ShapeDtypeStruct((args.batch, args.image_size, args.image_size, 3), jnp.float32)
   try:
     models.get_model(args.model, num_classes=NUM_CLASSES).check_images(images)
@@ -240,7 +245,8 @@ def main(argv=None):
   parser.add_argument('--optimizer', choices=('sgd', 'adamw'), default='sgd',
                       help='With --train: the optimiser of vit_jax.train.')
   parser.add_argument('--attention', choices=('auto',) + models_vit.ATTENTION_KERNELS,
-                      default='auto', help="Attention kernel; 'auto': cuDNN's on NVIDIA GPUs.")
+                      default='auto', help="Attention kernel; 'auto': cuDNN's on NVIDIA GPUs; "
+                      "'splash': TPUs, with --train.")
   parser.add_argument('--rounds', type=int, default=5,
                       help='Timed rounds; the figures are those of the round of median MFU.')
   parser.add_argument('--round_seconds', type=float, default=1.0,

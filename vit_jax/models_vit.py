@@ -19,8 +19,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from vit_jax import models_resnet
 from vit_jax import positions
@@ -32,10 +34,13 @@ TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token 
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'everything_saveable')
 LAYERNORM_EPS = 1e-6
-ATTENTION_KERNELS = ('xla', 'cudnn')
+ATTENTION_KERNELS = ('xla', 'cudnn', 'splash')
 # Training pads the tokens to a multiple of this for cuDNN's fused attention, whose gradient
 # (jax 0.10.2) rejects odd sequence lengths such as 197 (a class token and 14x14 patches).
 CUDNN_TRAIN_SEQ_MULTIPLE = 16
+# The splash kernel's tiles of queries and keys (its default BlockSizes); the tokens are padded
+# to a multiple of them (its key tiles must be multiples of the TPU's 128 vector lanes).
+SPLASH_BLOCK = 128
 TOKENS = ('batch', 'seq', 'embed')  # Logical axes of the (B, T, D) activations between blocks.
 STOCHASTIC_DEPTH_SCHEDULES = ('linear', 'uniform')
 
@@ -139,12 +144,25 @@ class DenseGeneralParams(nn.Module):
                               self.out_shape)
 
 
+def attention_error(attention: str, platform: str) -> Optional[str]:
+  """Why `attention` cannot run on devices of `platform` ('cpu', 'gpu', 'tpu'), or None where
+  it can: 'splash' is a Pallas kernel for TPUs only."""
+  if attention == 'splash' and platform != 'tpu':
+    return (f"attention='splash' is a TPU kernel, and these are {platform.upper()} devices: "
+            "choose 'auto' or 'xla'.")
+  return None
+
+
 def resolve_attention(attention: str, devices) -> str:
   """The attention kernel for a model run on `devices`: 'auto' is 'cudnn' on NVIDIA GPUs and
-  'xla' elsewhere; 'xla' and 'cudnn' stay as they are."""
+  'xla' elsewhere (also on TPUs: 'splash' replaces it there only once a TPU measures it
+  faster); the others stay as they are. A ValueError (`attention_error`) for a kernel the
+  devices cannot run."""
+  device = devices[0]
+  if error := attention_error(attention, device.platform):
+    raise ValueError(error)
   if attention != 'auto':
     return attention
-  device = devices[0]
   return 'cudnn' if device.platform == 'gpu' and 'NVIDIA' in device.device_kind else 'xla'
 
 
@@ -170,6 +188,32 @@ def padded_attention(q, k, v, multiple: int, implementation: str = 'cudnn'):
   return y[:, :t].swapaxes(1, 2)
 
 
+def splash_attention(q, k, v, interpret: bool = False):
+  """softmax(q k^T) v of heads-major (B, N, T, K) inputs, q already scaled, through the Pallas
+  TPU splash kernel: T is padded with zeros up to a multiple of SPLASH_BLOCK, the padded keys
+  are masked out by the kernel's static mask (whose fully masked tiles it skips), and the padded
+  queries dropped from the (B, N, T, K) result. Under a mesh (the train step's) the kernel runs
+  per device in a shard_map: batch over 'data', heads over 'model' where they divide.
+  `interpret` runs the kernel in Pallas's interpreter, on any device (to check its results)."""
+  b, n, t, _ = q.shape
+  padded = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
+  keys = np.broadcast_to(np.arange(padded) < t, (padded, padded))
+
+  def per_device(q, k, v):  # (B', N', padded, K) each: a device's share of batch and heads.
+    mask = splash.MultiHeadMask([splash.NumpyMask(keys)] * q.shape[1])
+    return jax.vmap(splash.make_splash_mha_single_device(mask, interpret=interpret))(q, k, v)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    spec = P(*(axis if mesh.shape.get(axis, 1) > 1 and size % mesh.shape[axis] == 0 else None
+               for axis, size in (('data', b), ('model', n))))
+    # check_vma=False: the kernel's outputs do not say how they vary over the mesh.
+    per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                               check_vma=False)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, padded - t), (0, 0)))
+  return per_device(pad(q), pad(k), pad(v))[:, :, :t]
+
+
 class MultiHeadDotProductAttention(nn.Module):
   """Multi-head self-attention (Eq. 2's MSA): (B, T, D) -> (B, T, D).
 
@@ -179,7 +223,11 @@ class MultiHeadDotProductAttention(nn.Module):
   (what XLA's CPU backend runs fastest), and the query is scaled by 1/sqrt(K) before the
   logits, inside the bias add. With `attention='cudnn'` the attention is cuDNN's fused kernel
   where `cudnn_fits` allows, through `padded_attention` (in training, on tokens padded to a
-  multiple of CUDNN_TRAIN_SEQ_MULTIPLE); attention dropout, and the attention weights (B, N,
+  multiple of CUDNN_TRAIN_SEQ_MULTIPLE); with `attention='splash'` it is the Pallas TPU
+  splash kernel (`splash_attention`, tokens padded to SPLASH_BLOCK) where the model is applied
+  under a mesh (the train step's, `sharding.with_rules`), which places the kernel on the
+  devices: evaluation and inference, applied outside one, take XLA's path. Attention dropout,
+  and the attention weights (B, N,
   T, T) sown as `attention_weights` when the caller makes `intermediates` mutable (for the
   visualisations), take XLA's path. With `relative_patches` P > 0 it is the relative attention
   of vit_jax.positions (on the last P tokens), its table `relative_embedding` (2P - 1, N, K),
@@ -212,8 +260,11 @@ class MultiHeadDotProductAttention(nn.Module):
     relative = None if not self.relative_patches else positions.learned_table(
         self, positions.RELATIVE, (2 * self.relative_patches - 1, n, k), 'offset', 'heads',
         'head_dim')
-    if (self.attention == 'xla' or use_dropout or self.is_mutable_collection('intermediates')
-        or relative is not None or not cudnn_fits(self.dtype, k)):
+    fused = not (self.attention == 'xla' or use_dropout or relative is not None
+                 or self.is_mutable_collection('intermediates')
+                 or (self.attention == 'cudnn' and not cudnn_fits(self.dtype, k))
+                 or (self.attention == 'splash' and jax.sharding.get_abstract_mesh().empty))
+    if not fused:
       logits = jnp.einsum('bnqk,bntk->bnqt', q, key)
       if relative is not None:
         logits = logits + positions.relative_logits(q, relative.astype(self.dtype))
@@ -221,6 +272,8 @@ class MultiHeadDotProductAttention(nn.Module):
       self.sow('intermediates', 'attention_weights', weights)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
       y = jnp.einsum('bnqt,bntk->bnqk', weights, value)
+    elif self.attention == 'splash':
+      y = splash_attention(q, key, value)
     else:
       y = padded_attention(q, key, value, 1 if deterministic else CUDNN_TRAIN_SEQ_MULTIPLE)
 
@@ -407,7 +460,8 @@ class VisionTransformer(nn.Module):
   dtype: Dtype = jnp.float32
   scan_layers: bool = False  # The blocks as one nn.scan; parameters at Transformer/encoderblock.
   remat_policy: Optional[str] = None  # A REMAT_POLICIES name: rematerialise each block.
-  attention: str = 'xla'  # 'cudnn': cuDNN's fused attention where it fits (resolve_attention).
+  # 'cudnn': cuDNN's fused attention where it fits; 'splash': the Pallas TPU kernel.
+  attention: str = 'xla'
   # Training: drop rate of the residual branches per example (stochastic depth); 0: off.
   stochastic_depth: float = 0.0
   # 'linear': rising from 0 at the first block to stochastic_depth at the last; or 'uniform'.

@@ -5,10 +5,12 @@
 It builds the step as `vit_jax.main` would (model, optimiser, train state, shardings, mesh, step
 function: vit_jax.fit.lower_train_step), and the evaluation step, and compiles both with libtpu's
 compiler for compile-only devices of the slice (jax.experimental.topologies), with no dataset
-and no TensorFlow. It prints the per-chip memory against the chip's HBM, the FLOPs and a roofline
-bound on the step time, and exits 0 where the step fits, 1 where it does not (the one line then
-names what would fit, as main's check does). NAME is a Cloud TPU accelerator type: v4-8 ...
-v4-4096, v5e-1 ... v5e-256 (or v5litepod-N), v5p-8 ..., v6e-1 ... v6e-256.
+and no TensorFlow. It prints one short table: per chip, the memory against the chip's HBM, the
+FLOPs, a roofline bound on the step time, the TPU kernels the step calls (Pallas custom calls,
+such as splash attention's forward and backward), and the compile time. It exits 0 where the
+step fits, 1 where it does not (the one line then names what would fit, as main's check does).
+NAME is a Cloud TPU accelerator type: v4-8 ... v4-4096, v5e-1 ... v5e-256 (or v5litepod-N),
+v5p-8 ..., v6e-1 ... v6e-256.
 """
 import dataclasses
 import importlib.metadata
@@ -30,6 +32,7 @@ from vit_jax import console
 from vit_jax import fit
 from vit_jax import hardware
 from vit_jax import main as main_command
+from vit_jax import models_vit
 from vit_jax import train_setup
 from vit_jax import train_step
 from vit_jax import validation
@@ -175,22 +178,26 @@ def roofline(flops: float, bytes_accessed: float, generation: Generation) -> flo
   return max(flops / generation.bf16_flops, bytes_accessed / generation.hbm_bytes_per_second)
 
 
-def plan(config: ml_collections.ConfigDict, topology: Topology, num_classes: int) -> dict:
-  """Compiles the training and evaluation steps of `config` for `topology`; the plan as a dict
-  (the JSON of --out). Raises validation.ConfigError, or fit.FitError where the step does not
-  fit a chip's HBM."""
+def topology_mesh(config: ml_collections.ConfigDict, topology: Topology):
+  """The mesh of `config` over the compile-only devices of `topology`, the config first
+  validated for them (validation.ConfigError)."""
   devices = compile_only_devices(topology)
-  validation.validate_config(config, len(devices))
-  mesh = train_setup.make_mesh(config, devices)
-  hbm = topology.generation.hbm_bytes
-  where = f'a {topology.generation.name} chip\'s HBM'
-  memory = lambda c: fit.step_memory(c, mesh, num_classes)
+  validation.validate_config(config, len(devices), devices[0].platform)
+  return train_setup.make_mesh(config, devices)
+
+
+def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: Topology,
+                    num_classes: int) -> tuple[dict, fit.StepMemory]:
+  """The training step of `config` lowered and compiled for `mesh` (over `topology`'s devices):
+  (the plan's dict without the evaluation step, the step's StepMemory). The dict's `fits` says
+  whether the compiler took the step and its per-chip total is within a chip's HBM; where it
+  does, the dict has the FLOPs, the roofline and the TPU kernels."""
   start = time.perf_counter()
-  config = fit.fitted_config(config, mesh, num_classes, hbm, where)
-  lowered = fit.lower_train_step(config, mesh, num_classes)
-  compiled, refusal = fit.compile_or_refusal(lambda: lowered)
+  compiled, refusal = fit.compile_or_refusal(
+      lambda: fit.lower_train_step(config, mesh, num_classes))
   compile_seconds = time.perf_counter() - start
   used = fit.StepMemory(refusal=refusal) if compiled is None else fit.memory_of(compiled)
+  hbm = topology.generation.hbm_bytes
   result = {'topology': {'name': topology.name, 'generation': topology.generation.name,
                          'chips': topology.chips * topology.slices, 'slices': topology.slices,
                          'chips_per_host': topology.chips_per_host,
@@ -200,24 +207,44 @@ def plan(config: ml_collections.ConfigDict, topology: Topology, num_classes: int
                 'model_name': config.model_name, 'batch': config.batch,
                 'accum_steps': config.accum_steps, 'pp.crop': config.pp.crop,
                 'dtype': config.dtype, 'sharding': config.sharding,
-                'remat_policy': config.remat_policy, 'optimizer': config.optimizer,
-                'num_classes': num_classes},
+                'remat_policy': config.remat_policy, 'scan_layers': config.scan_layers,
+                'attention': models_vit.resolve_attention(config.attention,
+                                                          list(mesh.devices.flat)),
+                'optimizer': config.optimizer, 'num_classes': num_classes},
             'versions': {'jax': jax.__version__, 'libtpu': libtpu_version()},
-            'compile_seconds': compile_seconds}
-  try:
-    fit.check(config, validation.data_parallel_size(config, mesh.size), memory, hbm, where, used)
-  except fit.FitError as e:
-    result.update(fits=False, error=str(e), per_chip=per_chip(used, hbm))
-    raise PlannedError(str(e), result) from None
-  cost = compiled.cost_analysis()
-  flops, bytes_accessed = cost.get('flops', 0.0), cost.get('bytes accessed', 0.0)
-  seconds = roofline(flops, bytes_accessed, topology.generation)
-  result.update(
-      fits=True, per_chip=per_chip(used, hbm, state_bytes(config, mesh, num_classes)),
-      flops_per_step_per_chip=flops, bytes_accessed_per_step_per_chip=bytes_accessed,
-      roofline_step_seconds=seconds,
-      roofline_images_per_second_per_chip=config.batch / mesh.size / seconds,
-      eval=eval_memory(config, mesh, num_classes, hbm))
+            'compile_seconds': compile_seconds,
+            'fits': refusal is None and used.total_bytes <= hbm,
+            'per_chip': per_chip(used, hbm, state_bytes(config, mesh, num_classes))}
+  if result['fits']:
+    cost = compiled.cost_analysis()
+    flops, bytes_accessed = cost.get('flops', 0.0), cost.get('bytes accessed', 0.0)
+    seconds = roofline(flops, bytes_accessed, topology.generation)
+    result.update(
+        flops_per_step_per_chip=flops, bytes_accessed_per_step_per_chip=bytes_accessed,
+        roofline_step_seconds=seconds,
+        roofline_images_per_second_per_chip=config.batch / mesh.size / seconds,
+        tpu_custom_calls=custom_calls(compiled.as_text()))
+  return result, used
+
+
+def plan(config: ml_collections.ConfigDict, topology: Topology, num_classes: int) -> dict:
+  """Compiles the training and evaluation steps of `config` for `topology`; the plan as a dict
+  (the JSON of --out). Raises validation.ConfigError, or PlannedError (a fit.FitError naming
+  what would fit, as main's check does) where the step does not fit a chip's HBM."""
+  mesh = topology_mesh(config, topology)
+  hbm = topology.generation.hbm_bytes
+  where = f'a {topology.generation.name} chip\'s HBM'
+  memory = lambda c: fit.step_memory(c, mesh, num_classes)
+  config = fit.fitted_config(config, mesh, num_classes, hbm, where)
+  result, used = train_step_plan(config, mesh, topology, num_classes)
+  if not result['fits']:
+    try:
+      fit.check(config, validation.data_parallel_size(config, mesh.size), memory, hbm, where,
+                used)
+    except fit.FitError as e:
+      result['error'] = str(e)
+      raise PlannedError(str(e), result) from None
+  result['eval'] = eval_memory(config, mesh, num_classes, hbm)
   return result
 
 
@@ -235,6 +262,17 @@ def state_bytes(config, mesh, num_classes) -> int:
   state, _ = train_step.abstract_train_state(config, model, train_step.make_optimizer(config),
                                              mesh, config.pp.crop)
   return shard_bytes(state)
+
+
+def custom_calls(hlo: str) -> dict:
+  """{kernel: count} of the TPU custom calls (Pallas/Mosaic kernels) in the optimised HLO text
+  `hlo`, each named as its instruction is, less the '.N' suffix: e.g. splash attention's
+  'splash_mha_fwd_residuals' (forward) and 'splash_mha_dq_no_residuals' and
+  'splash_mha_dkv_no_residuals' (backward). A kernel in a loop's body counts once."""
+  names = re.findall(
+      r'^\s*(?:ROOT )?%?([\w.-]+?)(?:\.\d+)? = .*custom_call_target="tpu_custom_call"', hlo,
+      re.MULTILINE)
+  return {name: names.count(name) for name in sorted(set(names))}
 
 
 def per_chip(used: fit.StepMemory, hbm: int, state: int | None = None) -> dict:
@@ -267,27 +305,66 @@ def libtpu_version() -> str | None:
     return None
 
 
+# XLA's cost analysis counts a while loop's body once, whatever its trip count, and nothing of
+# a custom call's work.
+SCANNED_FLOPS_NOTE = ('Scanned blocks: the FLOPs and the roofline count one block of the loop '
+                      "(XLA's cost analysis); --config.scan_layers=False counts them all.")
+KERNEL_FLOPS_NOTE = ("TPU kernels: the FLOPs and the roofline leave theirs out (XLA's cost "
+                     'analysis cannot see them).')
+
+
+def table_rows(result: dict) -> list[tuple[str, str]]:
+  """(label, value) rows of the plan's table: per chip memory against HBM, FLOPs, roofline,
+  kernels, compile time."""
+  chip, size, fits = result['per_chip'], console.readable_bytes, result['fits']
+  if chip['compiler_refusal']:
+    rows = [('compiler', fit.refusal_figure(chip['compiler_refusal']))]
+  else:
+    state = chip['state_bytes']
+    rows = [('params + optimiser state', '-' if state is None else size(state)),
+            ('arguments', size(chip['argument_bytes'])),
+            ('temporaries', size(chip['temp_bytes'])), ('outputs', size(chip['output_bytes'])),
+            ('total', size(chip['total_bytes']))]
+  rows += [('HBM', size(chip['hbm_bytes'])), ('fits', 'yes' if fits else 'no')]
+  if fits:
+    evaluation = result['eval']
+    kernels = result['tpu_custom_calls']
+    rows += [('evaluation step total', size(evaluation['total_bytes'])
+              + ('' if evaluation['fits'] else ', does not fit')),
+             ('FLOPs per step', f"{result['flops_per_step_per_chip']:.3g}"),
+             ('roofline step', f"{result['roofline_step_seconds'] * 1e3:.3g} ms"),
+             ('roofline images/s', f"{result['roofline_images_per_second_per_chip']:.0f}")]
+    rows += [(f'kernel {name}', str(count)) for name, count in kernels.items()] or [
+        ('TPU kernels', 'none')]
+  return rows + [('compile', f"{result['compile_seconds']:.1f} s")]
+
+
 def summary(result: dict) -> str:
-  """The plan as a short table."""
-  chip, size = result['per_chip'], console.readable_bytes
-  topology = result['topology']
-  lines = [f"{result['config']['model_name']}, batch {result['config']['batch']} "
-           f"(accum_steps {result['config']['accum_steps']}), {result['config']['sharding']} "
-           f"on {topology['name']} x {topology['slices']} slice(s): {topology['chips']} chips, "
-           f"{topology['hosts']} hosts, mesh {result['mesh']}",
-           f"  per chip: state {size(chip['state_bytes'] or 0)}, arguments "
-           f"{size(chip['argument_bytes'])}, temporaries {size(chip['temp_bytes'])}, outputs "
-           f"{size(chip['output_bytes'])}, total {size(chip['total_bytes'])} of "
-           f"{size(chip['hbm_bytes'])} HBM: {'fits' if result['fits'] else 'does not fit'}"]
-  if result['fits']:
-    lines += [f"  FLOPs per step per chip {result['flops_per_step_per_chip']:.3g}; roofline "
-              f"step {result['roofline_step_seconds'] * 1e3:.3g} ms, at most "
-              f"{result['roofline_images_per_second_per_chip']:.0f} images/s per chip",
-              f"  evaluation step: {size(result['eval']['total_bytes'])} per chip"
-              f"{'' if result['eval']['fits'] else ', does not fit'}"]
-  lines.append(f"  compiled in {result['compile_seconds']:.1f} s (jax {result['versions']['jax']}"
-               f", libtpu {result['versions']['libtpu']})")
-  return '\n'.join(lines)
+  """The plan as a short table: a line for the run, one for the slice, and per chip its rows
+  (`table_rows`): labels aligned, values right-aligned (longer ones, such as a compiler's
+  refusal, run on)."""
+  config, topology = result['config'], result['topology']
+  mesh = ' x '.join(f'{axis} {size}' for axis, size in result['mesh'].items())
+  rows = table_rows(result)
+  label_width = max(len(label) for label, _ in rows)
+  return '\n'.join([
+      f"{config['model_name']} at {config['pp.crop']} px, batch {config['batch']} (accum_steps "
+      f"{config['accum_steps']}), {config['dtype']}, {config['sharding']} sharding, attention "
+      f"{config['attention']}",
+      f"{topology['name']} x {topology['slices']} slice(s): {topology['chips']} chip(s), "
+      f"{topology['hosts']} host(s), mesh {mesh} (jax {result['versions']['jax']}, libtpu "
+      f"{result['versions']['libtpu']})",
+      'per chip:'] + [f'  {label:<{label_width}}  {value:>10}' for label, value in rows]
+      + flops_notes(result))
+
+
+def flops_notes(result: dict) -> list[str]:
+  """The notes on FLOPs that the cost analysis of a fitting step leaves out: those of all but
+  one scanned block, and those of TPU kernels."""
+  if not result['fits']:
+    return []
+  return (([SCANNED_FLOPS_NOTE] if result['config']['scan_layers'] else [])
+          + ([KERNEL_FLOPS_NOTE] if result['tpu_custom_calls'] else []))
 
 
 def write_json(result: dict, path: str) -> None:

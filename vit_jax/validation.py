@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -152,8 +153,10 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   return None
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ConfigError for a config that cannot train, before anything is compiled; first sets
+def validate_config(config: ml_collections.ConfigDict, num_devices: int,
+                    platform: str | None = None) -> None:
+  """Raises ConfigError for a config that cannot train on `num_devices` devices of `platform`
+  ('cpu', 'gpu', 'tpu'; default: JAX's default backend), before anything is compiled; first sets
   `config.model` to the model `config.model_name` names, where they differ (vit_jax.config), and
   moves the deprecated evaluation fields into config.evals (vit_jax.evaluators.migrate)."""
   check_pretrained_path(config)
@@ -167,6 +170,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     raise ConfigError(error)
   from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
   evaluators.migrate(config)
+  if error := models_vit.attention_error(config.attention, platform or jax.default_backend()):
+    raise ConfigError(f'config.{error}')
   model = models.get_model(config.model, num_classes=1)
   if error := models_vit.stochastic_depth_error(model.stochastic_depth,
                                                 model.stochastic_depth_schedule):
