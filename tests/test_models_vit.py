@@ -351,7 +351,10 @@ def np_msa_heads(q, k, v):
 def test_auto_attention_is_cudnn_only_on_nvidia_gpus():
   assert models_vit.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
   assert models_vit.resolve_attention('cudnn', jax.devices()) == 'cudnn'
-  with pytest.raises(ValueError, match=r"attention='auto'; choose one of \('xla', 'cudnn'\)"):
+  with pytest.raises(ValueError, match=r"attention='splash' is a TPU kernel, and these are CPU"):
+    models_vit.resolve_attention('splash', jax.devices())
+  with pytest.raises(ValueError,
+                     match=r"attention='auto'; choose one of \('xla', 'cudnn', 'splash'\)"):
     tiny_vit(attention='auto').init(jax.random.key(0), images_of(), train=False)
 
 

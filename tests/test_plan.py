@@ -63,6 +63,8 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
   assert 'TPU_ACCELERATOR_TYPE' not in run.stderr and 'Traceback' not in run.stderr
   result = json.loads(out.read_text())
   assert result['fits'] and result['topology']['chips'] == 4 and result['mesh']['data'] == 4
+  # The config's attention='auto' is XLA's on TPUs: no kernel of its own in the step.
+  assert result['config']['attention'] == 'xla' and result['tpu_custom_calls'] == {}
   chip = result['per_chip']
   assert chip['hbm_bytes'] == 16 * 10**9  # The v5e's 16 GB (Cloud TPU documentation).
   assert 0 < chip['argument_bytes'] < chip['total_bytes'] < chip['hbm_bytes']
