@@ -4,7 +4,8 @@ Nothing of the test harness reaches these processes: no XLA_FLAGS (so no forced 
 no quick compilation), no JAX settings, no compilation cache. Each command picks its devices as it
 does for a user, one XLA:CPU device per core here, and shows the project's lines only. The commands
 share one short run of the quick start's command, at the batch of 16 under which its closing
-few-shot evaluation used to abort on 2 devices.
+few-shot evaluation used to abort on 2 devices; the run continued four times has one of its own,
+on another worker.
 """
 import json
 import os
@@ -92,6 +93,8 @@ def test_fewshot_command_finishes_five_times_in_a_row(short_run):
     assert 'few-shot linear accuracy over 2 seeds, 500 test images' in output, attempt
 
 
+# A group of its own, so that another worker runs it, on its own run of the fixture.
+@pytest.mark.xdist_group('continued')
 def test_the_run_continued_four_times_ends_each_time_with_its_few_shot_evaluation(short_run):
   """Four more training runs of the same command, each one step longer, each ending with the
   few-shot evaluation that aborted on 2 devices at this batch: with the fixture's, five in a

@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -195,6 +194,8 @@ def splash_attention(q, k, v, interpret: bool = False):
   queries dropped from the (B, N, T, K) result. Under a mesh (the train step's) the kernel runs
   per device in a shard_map: batch over 'data', heads over 'model' where they divide.
   `interpret` runs the kernel in Pallas's interpreter, on any device (to check its results)."""
+  # Here, not at the top: Pallas's TPU modules take about half a second to import.
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
   b, n, t, _ = q.shape
   padded = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
   keys = np.broadcast_to(np.arange(padded) < t, (padded, padded))
