@@ -1,8 +1,9 @@
 """Every command a user types, run once as README.md and docs/ show it, in a process of its own.
 
 Nothing of the test harness reaches these processes: no XLA_FLAGS (so no forced device count and
-no quick compilation), no JAX settings, no compilation cache. Each command picks its devices as it
-does for a user, one XLA:CPU device per core here, and shows the project's lines only. The commands
+no quick compilation), no JAX settings, no compilation cache of the harness. Each command picks its
+devices as it does for a user, one XLA:CPU device per core here, keeps what it compiles in vit_jax's
+cache, empty at first as on a fresh machine, and shows the project's lines only. The commands
 share one short run of the quick start's command, at the batch of 16 under which its closing
 few-shot evaluation used to abort on 2 devices; the run continued four times has one of its own,
 on another worker.
@@ -18,6 +19,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from helpers import PHOTOS
+from vit_jax import cache
 
 pytestmark = pytest.mark.xdist_group('commands')  # One worker trains the run they share.
 
@@ -26,6 +28,14 @@ HARNESS_VARIABLES = ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_COMPILATION_CACHE_DIR',
                      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
                      'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', 'JAX_NUM_CPU_DEVICES',
                      'TF_CPP_MIN_LOG_LEVEL')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def fresh_user_cache(tmp_path_factory):
+  """vit_jax's cache (downloads, compiled programs) as on a fresh machine: empty at first."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv(cache.CACHE_ENV, str(tmp_path_factory.mktemp('user_cache')))
+    yield
 
 
 def user_env() -> dict[str, str]:
@@ -50,8 +60,10 @@ def succeeded(result: subprocess.CompletedProcess) -> str:
   return result.stdout + result.stderr
 
 
-# The quick start's command, shortened to 6 steps at a batch of 16 (evaluation and few-shot too).
-SHORT_RUN = ('main', '--config.total_steps=6', '--config.batch=16', '--config.batch_eval=16')
+# The quick start's command, shortened to 6 steps at a batch of 16 (evaluation and few-shot too)
+# and evaluated on a fifth of the test split.
+SHORT_RUN = ('main', '--config.total_steps=6', '--config.batch=16', '--config.batch_eval=16',
+             '--config.test_split=test[:2000]')
 
 
 @pytest.fixture(scope='module')
@@ -83,6 +95,11 @@ def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
   events.Reload()
   assert {'_hparams_/session_start_info', 'train_loss', 'test_accuracy'} <= set(
       events.Tags()['tensors'])
+
+
+def test_main_keeps_its_compiled_programs_in_vit_jaxs_cache(short_run):
+  kept = os.path.join(os.environ[cache.CACHE_ENV], 'xla')
+  assert any(name.startswith('jit_') for name in os.listdir(kept)), os.listdir(kept)
 
 
 def test_fewshot_command_finishes_five_times_in_a_row(short_run):

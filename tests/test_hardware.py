@@ -131,3 +131,8 @@ def test_a_cpu_host_leaves_libtpu_unloaded_and_its_lock_file_free():
 ])
 def test_a_device_count_set_by_the_user_is_kept(env, devices):
   assert run_python(DEVICES_PER_CORE, '6', **env).split() == ['None', devices]
+
+
+def test_a_cache_folder_given_to_jax_is_kept():
+  # The harness gives this process its own folder (tests/conftest.py), as a user may.
+  assert hardware.use_compilation_cache() == os.environ['JAX_COMPILATION_CACHE_DIR']

@@ -13,6 +13,7 @@ from flax import traverse_util
 import numpy as np
 import pytest
 
+from vit_jax import cache
 from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import models
@@ -150,7 +151,7 @@ def bucket(tmp_path_factory):
 @pytest.fixture
 def mirror(bucket, tmp_path, monkeypatch):
   monkeypatch.setenv(published.MIRROR_ENV, bucket[0])
-  monkeypatch.setenv(published.CACHE_ENV, str(tmp_path / 'cache'))
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
   _Bucket.requests.clear()
   return bucket[1]
 

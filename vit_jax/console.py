@@ -206,7 +206,9 @@ def run(main: Callable[[], Optional[int]]) -> NoReturn:
   """Runs a command line's `main` (argv from sys.argv) in the quiet console and exits with the
   status it returns: the start of every `python -m vit_jax.COMMAND` but `vit_jax.main`, whose
   flags choose between quiet and `--log_all`. JAX stays off an installed libtpu on a host
-  without TPU chips (`hardware.skip_absent_tpu`)."""
+  without TPU chips (`hardware.skip_absent_tpu`), and keeps what it compiles in vit_jax's cache
+  (`hardware.use_compilation_cache`)."""
   hardware.skip_absent_tpu()
+  hardware.use_compilation_cache()
   setup(log_all=False)
   sys.exit(main())

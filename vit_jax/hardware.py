@@ -22,6 +22,8 @@ import jax
 from jax._src import hardware_utils  # The PCI scan JAX runs before it starts libtpu.
 import jax.numpy as jnp
 
+from vit_jax import cache
+
 # Published dense peaks per chip in FLOP/s: (bfloat16, float32). float32 on NVIDIA tensor cores
 # runs as TF32 under JAX's default matmul precision.
 PUBLISHED_PEAKS = {
@@ -78,6 +80,24 @@ def skip_absent_tpu() -> bool:
     return False
   jax.config.update('jax_platforms', 'cpu')
   return True
+
+
+def use_compilation_cache() -> str | None:
+  """Turns JAX's persistent compilation cache on, in the folder `xla` of vit_jax's cache
+  (`cache.cache_dir()`), and returns the folder it uses.
+
+  JAX keeps there each program that took it at least a second to compile, keyed by the program,
+  its devices and the compiler's version and flags, and reads it back instead of compiling: a
+  resume, a rerun, or another command on the same model and batch starts sooner. The user's own
+  JAX settings win: a folder given by JAX_COMPILATION_CACHE_DIR stays, and
+  JAX_ENABLE_COMPILATION_CACHE=false keeps the cache off (then None). Call it before the first
+  compilation (the command-line tools call it first thing).
+  """
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update('jax_compilation_cache_dir', os.path.join(cache.cache_dir(), 'xla'))
+  return jax.config.jax_compilation_cache_dir
 
 
 def keep_freed_host_memory() -> bool:

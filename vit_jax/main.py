@@ -325,6 +325,7 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.skip_absent_tpu()
+  hardware.use_compilation_cache()
   # Registered first, so run last: at exit the interpreter's garbage collection then skips the
   # objects of the imported libraries (TensorFlow's, JAX's), which take seconds to collect.
   # Files are closed and saves finished before that.

@@ -39,11 +39,11 @@ import urllib.request
 
 import tqdm
 
+from vit_jax.cache import cache_dir
+
 BUCKET = 'gs://vit_models'
 HTTPS_BUCKET = 'https://storage.googleapis.com/vit_models'
-CACHE_ENV = 'VIT_JAX_CACHE'
 MIRROR_ENV = 'VIT_JAX_MIRROR'
-DEFAULT_CACHE = os.path.join('~', '.cache', 'vit_jax')
 PREFIXES = ('paper:', 'augreg:')
 I21K = 'imagenet21k'
 I21K_I1K = 'imagenet21k+imagenet2012'
@@ -143,11 +143,6 @@ def lookup(name: str) -> Checkpoint:
 def model_of(name_or_path) -> Optional[str]:
   """The registry model of a published name; None for anything else (paths, workdirs)."""
   return lookup(name_or_path).model if is_name(name_or_path) else None
-
-
-def cache_dir() -> str:
-  """Where downloads are kept: $VIT_JAX_CACHE, else ~/.cache/vit_jax."""
-  return os.path.expanduser(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
 def cached_path(entry: Checkpoint) -> str:
