@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from vit_jax import inference_time
-from vit_jax import models
+from vit_jax.models import registry
+from vit_jax.tools import inference_time
 
 # (vit_jax registry name, timm name, batch, image size).
 CASES = (('ViT-B_16', 'vit_base_patch16_224', 256, 224),
@@ -75,7 +75,7 @@ def timm_versions() -> dict | None:
 def timm_figures(reference: dict, timm_name: str, compiled: bool, rounds: int,
                  round_seconds: float, versions: dict) -> dict:
   """timm's figures for the case of vit_jax's `reference` result, its FLOPs and peak reused."""
-  dropout = models.get_model_config(reference['model']).transformer.dropout_rate
+  dropout = registry.get_model_config(reference['model']).transformer.dropout_rate
   run, first_seconds = timm_runner(timm_name, dropout, reference['batch'],
                                    reference['image_size'], reference['mode'] == 'train', compiled)
   seconds = sorted(s for s, _ in inference_time.timed_rounds(run, None, rounds, round_seconds))

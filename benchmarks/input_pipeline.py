@@ -8,7 +8,7 @@ Measures, one after the other in one run:
      batch `--step_batch`,
 and prints the ratio; above 1 the accelerator does not wait on the host.
 
-  python benchmarks/input_pipeline.py
+  python benchmarks/pipeline.py
 """
 import argparse
 import os
@@ -22,9 +22,9 @@ import numpy as np
 import optax
 from PIL import Image
 
-from vit_jax import input_pipeline
-from vit_jax import input_pipeline_sources
-from vit_jax import models
+from vit_jax.data import pipeline
+from vit_jax.data import sources
+from vit_jax.models import registry
 
 
 def pipeline_config(dataset: str, crop: int, batch: int) -> ml_collections.ConfigDict:
@@ -37,7 +37,7 @@ def pipeline_config(dataset: str, crop: int, batch: int) -> ml_collections.Confi
 
 def write_image_folder(root: str, images_per_class: int, size: int):
   """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder."""
-  with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+  with np.load(sources.EMBEDDED_PATH) as data:
     images, labels, names = data['train_images'], data['train_labels'], data['label_names']
   for split in ('train', 'test'):
     for label, name in enumerate(names):
@@ -50,7 +50,7 @@ def write_image_folder(root: str, images_per_class: int, size: int):
 
 def pipeline_images_per_second(config, mesh, num_batches: int) -> float:
   """Training images per second out of the iterator, after a warm-up batch."""
-  batches = input_pipeline.get_train_iterator(config, mesh)
+  batches = pipeline.get_train_iterator(config, mesh)
   jax.block_until_ready(next(batches))
   start = time.perf_counter()
   for _ in range(num_batches):
@@ -61,7 +61,7 @@ def pipeline_images_per_second(config, mesh, num_batches: int) -> float:
 
 def train_step_images_per_second(model_name: str, crop: int, batch: int, steps: int) -> float:
   """Images per second of a jitted forward + backward + SGD update, after a warm-up step."""
-  model = models.get_model(model_name, num_classes=10)
+  model = registry.get_model(model_name, num_classes=10)
   images = jnp.zeros((batch, crop, crop, 3), jnp.float32)
   labels = jnp.zeros((batch,), jnp.int32)
   params = jax.jit(model.init, static_argnames='train')(
@@ -102,7 +102,7 @@ def main():
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ('data', 'model'))
   print(f'{os.cpu_count()} CPU cores, devices: {jax.devices()}')
   embedded = pipeline_images_per_second(
-      pipeline_config(input_pipeline.EMBEDDED_DATASET, args.crop, args.batch), mesh, args.batches)
+      pipeline_config(pipeline.EMBEDDED_DATASET, args.crop, args.batch), mesh, args.batches)
   print(f'pipeline, embedded 28 px -> {args.crop} px: {embedded:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
     write_image_folder(root, images_per_class=32, size=args.folder_image_size)

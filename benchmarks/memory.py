@@ -19,10 +19,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from vit_jax import config as defaults
-from vit_jax import models
-from vit_jax import train
-from vit_jax import train_step
+from vit_jax.config import defaults
+from vit_jax.models import registry
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 VARIANTS = {  # name: (scan_layers, rematerialise)
     'plain': (False, False),
@@ -34,7 +34,7 @@ GIB = 2**30
 
 
 def step_config(model_name: str, batch: int):
-  """The training defaults of vit_jax/config.py for `model_name` at global batch `batch`."""
+  """The training defaults of vit_jax/config/defaults.py for `model_name` at global batch `batch`."""
   config = defaults.with_model(defaults.training_defaults(), model_name)
   config.batch = batch
   return config
@@ -43,7 +43,7 @@ def step_config(model_name: str, batch: int):
 def compile_step(config, model, image_size: int):
   """(compiled train step, seconds to compile), for an abstract state and batch of `config`."""
   optimizer = train_step.make_optimizer(config)
-  mesh = train.make_mesh(config, jax.devices()[:1])
+  mesh = trainer.make_mesh(config, jax.devices()[:1])
   state = jax.eval_shape(
       lambda: train_step.create_train_state(config, model, optimizer, mesh, image_size)[0])
   batch = {'image': jax.ShapeDtypeStruct((config.batch, image_size, image_size, 3), jnp.float32),
@@ -59,7 +59,7 @@ def measure(model_name: str, batch: int, variant: str, remat_policy: str,
   """Compile seconds and memory_analysis sizes (bytes) of one variant's training step."""
   scan_layers, remat = VARIANTS[variant]
   config = step_config(model_name, batch)
-  model = models.get_model(config.model, num_classes=1000, dtype=jnp.dtype(config.dtype),
+  model = registry.get_model(config.model, num_classes=1000, dtype=jnp.dtype(config.dtype),
                            scan_layers=scan_layers, remat_policy=remat_policy if remat else None)
   compiled, seconds = compile_step(config, model, image_size)
   stats = compiled.memory_analysis()
@@ -74,7 +74,7 @@ def parse_models(text: str) -> list[tuple[str, int]]:
   runs = []
   for item in text.split(','):
     name, _, batch = item.partition(':')
-    models.get_model_config(name)  # A clear error for an unknown name.
+    registry.get_model_config(name)  # A clear error for an unknown name.
     runs.append((name, int(batch or 32)))
   return runs
 

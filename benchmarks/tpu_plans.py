@@ -32,8 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vit_jax import console  # noqa: E402  (after the repository is on the path)
-from vit_jax import plan  # noqa: E402
-from vit_jax import validation  # noqa: E402
+from vit_jax.config import checks  # noqa: E402
+from vit_jax.tools import plan  # noqa: E402
 
 # Name: (config file, its argument, overrides of the preset), each at its own batch.
 PRESETS = {
@@ -96,7 +96,7 @@ def compile_on(preset: str, topology_name: str, sharding: str, out, machine: str
     record['plan'], _ = plan.train_step_plan(config, mesh, topology,
                                              plan.num_classes_of(config, None))
     record['fits'] = record['plan']['fits']
-  except validation.ConfigError as e:
+  except checks.ConfigError as e:
     record.update(fits=False, error=str(e))
   out.write(json.dumps(record) + '\n')
   out.flush()

@@ -21,7 +21,7 @@ the blocks' MLP outputs and embeddings as in the original ViT code.
 """
 import ml_collections
 
-from vit_jax import config as defaults
+from vit_jax.config import defaults
 
 MODELS = {'Ti/16': 'ViT-Ti_16', 'S/16': 'ViT-S_16', 'S/32': 'ViT-S_32', 'B/16': 'ViT-B_16',
           'B/32': 'ViT-B_32', 'L/16': 'ViT-L_16'}

@@ -11,7 +11,7 @@ reaches.
 """
 import ml_collections
 
-from vit_jax import config as defaults
+from vit_jax.config import defaults
 
 STEPS = 300
 

@@ -1,5 +1,5 @@
 """`--config=configs/mpp.py:ARG`: masked patch prediction pre-training (paper Section 4.6,
-Appendix B.1.2; vit_jax/mpp.py), then fine-tuning with `--config.pretrained_path=WORKDIR`.
+Appendix B.1.2; vit_jax/tasks/mpp.py), then fine-tuning with `--config.pretrained_path=WORKDIR`.
 
 ARG `MODEL,DATASET` (default `b16,imagenet2012`; MODEL as in configs/vit.py, e.g. b16 or a
 registry name): the paper's recipe. 50% of the patches corrupted (80% masked, 10% replaced by a
@@ -15,8 +15,8 @@ of the default run trained from scratch (docs/experiments.md: Masked patch predi
 """
 import ml_collections
 
-from vit_jax import config as defaults
-from vit_jax import registry
+from vit_jax.config import defaults
+from vit_jax.models import registry
 
 
 def get_config(arg: str = 'b16,imagenet2012') -> ml_collections.ConfigDict:

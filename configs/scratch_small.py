@@ -1,6 +1,6 @@
 """`--config=configs/scratch_small.py:DIR[,CROP]`: a small ViT from scratch on a small image folder.
 
-DIR holds DIR/train/<class>/* and DIR/test/<class>/* (vit_jax/input_pipeline_sources.py); CROP is
+DIR holds DIR/train/<class>/* and DIR/test/<class>/* (vit_jax/data/sources.py); CROP is
 the resolution (default 64 px, a multiple of 8). A few thousand to a few hundred thousand images
 train a ViT poorly without strong augmentation and regularisation ("How to train your ViT?",
 Steiner et al., 2021: on less data, more AugReg), so this preset takes the paper's recipe to
@@ -16,9 +16,9 @@ import os
 
 import ml_collections
 
-from vit_jax import config as defaults
-from vit_jax import input_pipeline_sources
-from vit_jax import registry
+from vit_jax.config import defaults
+from vit_jax.data import sources
+from vit_jax.models import registry
 
 EPOCHS = 100
 WARMUP_EPOCHS = 5
@@ -28,7 +28,7 @@ STEPS_WITHOUT_FOLDER = 10_000  # When DIR/train cannot be counted (yet).
 
 def count_images(folder: str) -> int:
   """Files with an image extension under `folder` (0 if it does not exist)."""
-  return sum(name.lower().endswith(input_pipeline_sources.IMAGE_EXTENSIONS)
+  return sum(name.lower().endswith(sources.IMAGE_EXTENSIONS)
              for _, _, names in os.walk(folder) for name in names)
 
 

@@ -44,6 +44,6 @@ def trained_run(tmp_path_factory):
   """(workdir, final metrics) of one run of tests/tiny_config.py (60 steps, checkpoints of steps
   40 and 60 kept, model.npz), trained once for every test that reads what a run writes."""
   import helpers  # After the environment above.
-  from vit_jax import train
+  from vit_jax.training import trainer
   workdir = str(tmp_path_factory.mktemp('trained_run'))
-  return workdir, train.train_and_evaluate(helpers.tiny_config(), workdir)
+  return workdir, trainer.train_and_evaluate(helpers.tiny_config(), workdir)

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 from PIL import Image
 
-from vit_jax import analysis
-from vit_jax import model_init
-from vit_jax import models_vit
+from vit_jax.models import analysis
+from vit_jax.models import blank
+from vit_jax.models import vit
 import tiny_config as tiny_config_file
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -25,9 +25,9 @@ PHOTOS = [os.path.join(DATA, name) for name in
 TINY_VIT = dict(patch_size=(4, 4), hidden_size=12, mlp_dim=20, num_heads=3, num_layers=2)
 
 
-def tiny_vit(num_classes=5, **overrides) -> models_vit.VisionTransformer:
+def tiny_vit(num_classes=5, **overrides) -> vit.VisionTransformer:
   """The TINY_VIT model with `overrides` of its fields."""
-  return models_vit.VisionTransformer(num_classes=num_classes, **{**TINY_VIT, **overrides})
+  return vit.VisionTransformer(num_classes=num_classes, **{**TINY_VIT, **overrides})
 
 
 def random_params(model, image_size, seed=0, scale=1.0):
@@ -38,7 +38,7 @@ def random_params(model, image_size, seed=0, scale=1.0):
   """
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda x: scale * rng.normal(size=x.shape).astype(np.float32),
-                      model_init.param_shapes(model, image_size))
+                      blank.param_shapes(model, image_size))
 
 
 def images_of(size=16, batch=2, seed=0) -> np.ndarray:
@@ -57,7 +57,7 @@ def write_image_folder(root, per_class: dict[str, int], class_ids=(1, 8)) -> str
   """Writes an image folder of the embedded data, `root/<split>/<class name>/<i>.png`, with
   `per_class[split]` images of each of the classes `class_ids` (default Trouser and Bag), each
   folder named after its class; returns `root` as a string."""
-  from vit_jax import input_pipeline_sources as sources  # TF.
+  from vit_jax.data import sources  # TF.
   with np.load(sources.EMBEDDED_PATH) as data:
     for split, count in per_class.items():
       for class_id in class_ids:

@@ -1,11 +1,11 @@
-"""Tests of the numbers behind the figures, vit_jax/analysis.py."""
+"""Tests of the numbers behind the figures, vit_jax/models/analysis.py."""
 import numpy as np
 import pytest
 
 from helpers import images_of
 from helpers import random_params
 from helpers import tiny_vit
-from vit_jax import analysis
+from vit_jax.models import analysis
 
 
 def uniform_attention_params(model, image_size):

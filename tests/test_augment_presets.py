@@ -5,8 +5,8 @@ import pytest
 
 from helpers import write_image_folder
 from vit_jax import main
-from vit_jax import train
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.training import trainer
 
 
 def load(spec):
@@ -27,7 +27,7 @@ def test_augreg_levels_set_the_papers_values_and_validate(arg, randaug, mixup, d
   assert config.model.transformer.stochastic_depth == dropout
   assert (config.batch, config.base_lr, config.weight_decay, config.warmup_steps) == (
       4096, 1e-3, 0.1, 10_000)
-  validation.validate_config(config, 8)
+  checks.validate_config(config, 8)
 
 
 def test_augreg_i1k_trains_300_epochs_of_imagenet():
@@ -53,7 +53,7 @@ def test_scratch_small_counts_the_folder_for_its_schedule_and_validates(tmp_path
   assert (config.dataset, config.pp.crop) == (str(tmp_path), 32)
   assert config.total_steps == 100 * (300 // 128)  # 100 epochs of 2 steps.
   assert config.pp.randaug == (2, 10) and config.mixup.p == 0.2
-  validation.validate_config(config, 8)
+  checks.validate_config(config, 8)
 
 
 def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_over(tmp_path):
@@ -61,8 +61,8 @@ def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_ov
   config = load(f'configs/scratch_small.py:{tmp_path},16')
   # 100 epochs, each one batch of 16 of the 30 images: each seen 53 times, not 100 x 128 / 30.
   assert (config.batch, config.total_steps) == (16, 100)
-  assert config.total_steps * config.batch / 30 < train.MAX_PASSES  # So no warning.
-  validation.validate_config(config, 2)
+  assert config.total_steps * config.batch / 30 < trainer.MAX_PASSES  # So no warning.
+  checks.validate_config(config, 2)
 
 
 def test_scratch_small_needs_a_folder():
@@ -84,7 +84,7 @@ def test_finetune_continues_the_default_run_with_the_papers_transfer_recipe():
   assert (config.optimizer, config.momentum, config.weight_decay, config.decay_type,
           config.grad_clip_norm, config.label_smoothing) == ('sgd', 0.9, 0.0, 'cosine', 1.0, 0.0)
   assert config.total_steps < default.total_steps
-  assert validation.values_error(config) is None
+  assert checks.values_error(config) is None
 
 
 def test_finetune_needs_a_resolution():

@@ -20,16 +20,17 @@ from helpers import PHOTOS
 from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import xla_flags
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import convert
 from vit_jax import errors
-from vit_jax import export
-from vit_jax import fewshot
-from vit_jax import predict
-from vit_jax import registry
-from vit_jax import validation
-from vit_jax import visualize
+from vit_jax.checkpoints import convert
+from vit_jax.checkpoints import runs
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.evaluators import linear_probe
+from vit_jax.tools import fewshot as fewshot_command
+from vit_jax.models import registry
+from vit_jax.tools import export
+from vit_jax.tools import predict
+from vit_jax.tools import visualize
 
 TIMEOUT = 300  # Seconds any one process may run.
 
@@ -89,34 +90,34 @@ def test_every_numeric_config_field_has_a_range():
 def test_a_value_out_of_its_range_is_a_one_line_config_error(field, value, message):
   config = tiny_config()
   parent, _, name = field.rpartition('.')
-  (validation.field_at(config, parent) if parent else config)[name] = value
-  with pytest.raises(validation.ConfigError) as error:
-    validation.validate_config(config, 8)
+  (checks.field_at(config, parent) if parent else config)[name] = value
+  with pytest.raises(checks.ConfigError) as error:
+    checks.validate_config(config, 8)
   assert str(error.value) == message
 
 
 def test_a_value_of_another_type_is_refused_naming_the_type():
   # A config file may build its ConfigDict without the defaults' field types.
-  assert validation.range_error('batch', 512.0, defaults.FIELD_RANGES['batch']) == (
+  assert checks.range_error('batch', 512.0, defaults.FIELD_RANGES['batch']) == (
       'config.batch=512.0 must be an integer greater than 0.')
-  assert validation.range_error('base_lr', '0.1', defaults.FIELD_RANGES['base_lr']) == (
+  assert checks.range_error('base_lr', '0.1', defaults.FIELD_RANGES['base_lr']) == (
       "config.base_lr='0.1' must be a number greater than 0.")
-  assert validation.range_error('base_lr', True, defaults.FIELD_RANGES['base_lr']) is not None
+  assert checks.range_error('base_lr', True, defaults.FIELD_RANGES['base_lr']) is not None
   # The values that the ranges take, their special ones included.
   for field, value in (('mesh.data', -1), ('val_every', None), ('keep_checkpoints', 0),
                        ('base_lr', 3), ('ema_decay', 0.0), ('pp.area_min', 1.0)):
-    assert validation.range_error(field, value, defaults.FIELD_RANGES[field]) is None
+    assert checks.range_error(field, value, defaults.FIELD_RANGES[field]) is None
 
 
 def test_config_error_lives_in_errors_which_imports_nothing_of_vit_jax():
   # Any module may raise it without importing validation's nine siblings; callers that catch
-  # validation.ConfigError catch the same class.
+  # checks.ConfigError catch the same class.
   code = ('import sys; from vit_jax import errors; '
           'print(sorted(m for m in sys.modules if m.startswith("vit_jax")))')
   loaded = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           check=True).stdout.split('\n')[0]
   assert loaded == "['vit_jax', 'vit_jax.errors']"
-  assert validation.ConfigError is errors.ConfigError
+  assert checks.ConfigError is errors.ConfigError
   assert issubclass(errors.ConfigError, ValueError)
 
 
@@ -204,8 +205,8 @@ def test_an_unfinished_workdir_says_so_and_how_to_finish_it(tmp_path):
       f'error: {workdir} holds a training run that has not finished: it has no model.npz yet. '
       f'Finish it by running its training command again with --workdir={workdir} (it resumes '
       'from its checkpoint of step 40), then try again.']
-  with pytest.raises(validation.ConfigError, match=r'^config.pretrained_path: .* has not finished'):
-    validation.validate_config(tiny_config(pretrained_path=str(workdir)), 8)
+  with pytest.raises(checks.ConfigError, match=r'^config.pretrained_path: .* has not finished'):
+    checks.validate_config(tiny_config(pretrained_path=str(workdir)), 8)
 
 
 # Image folders.
@@ -224,12 +225,12 @@ def image_folder(path, num_per_class=3) -> str:
 
 
 def test_a_file_name_that_is_not_utf8_is_named_in_one_line(tmp_path):
-  from vit_jax import train  # It imports TensorFlow.
+  from vit_jax.training import trainer  # It imports TensorFlow.
   folder = image_folder(tmp_path / 'photos')
   with open(os.path.join(os.fsencode(folder), b'train', b'shoe', b'caf\xe9.png'), 'wb') as f:
     f.write((tmp_path / 'photos' / 'train' / 'shoe' / '0.png').read_bytes())
-  with pytest.raises(validation.ConfigError) as error:
-    train.check_data(tiny_config(dataset=folder, test_split='test'), '')
+  with pytest.raises(checks.ConfigError) as error:
+    trainer.check_data(tiny_config(dataset=folder, test_split='test'), '')
   assert str(error.value) == (
       f'The file name {folder}/train/shoe/caf\\xe9.png is not valid UTF-8, which TensorFlow '
       'needs: rename it, e.g. to ASCII letters and digits.')
@@ -271,7 +272,7 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
   assert ', 2 heads) to ' in output  # tests/tiny_config.py's model has 2.
   assert convert.main([str(hf_dir / 'model.safetensors'), str(tmp_path / 'hf.npz')]) == 0
   for converted in ('timm.npz', 'hf.npz'):
-    assert checkpoint.load_model(tmp_path / converted)[0].num_heads == 2
+    assert runs.load_model(tmp_path / converted)[0].num_heads == 2
   # An existing output is refused, as export refuses one, and left as it was.
   before = (tmp_path / 'timm.npz').read_bytes()
   status, output = run('vit_jax.convert', hf_dir / 'model.safetensors', tmp_path / 'timm.npz')
@@ -308,12 +309,12 @@ def test_visualize_of_a_workdir_writes_to_its_figures_folder(finished_copy, caps
 def test_bad_input_exits_1_and_a_command_line_that_does_not_parse_2(tmp_path, capsys):
   missing = str(tmp_path / 'missing.npz')
   assert predict.main(['--checkpoint', missing, PHOTOS[0]]) == 1
-  assert fewshot.main(['--checkpoint', missing]) == 1
+  assert fewshot_command.main(['--checkpoint', missing]) == 1
   assert export.main(['--checkpoint', missing, '--format', 'timm']) == 1
   assert convert.main([str(tmp_path / 'missing.safetensors'), str(tmp_path / 'out.npz')]) == 1
   assert visualize.main(['--checkpoint', missing, '--output', str(tmp_path)]) == 1
   capsys.readouterr()
-  for command in (predict.main, fewshot.main, export.main, visualize.main):
+  for command in (predict.main, linear_probe.main, export.main, visualize.main):
     with pytest.raises(SystemExit) as exit_status:
       command(['--no_such_option'])
     assert exit_status.value.code == 2

@@ -3,7 +3,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
-from vit_jax import registry
+from vit_jax.models import registry
 
 # The short names configs/vit.py took when it wrote them out itself: each still means the same.
 SHORT_NAMES = {

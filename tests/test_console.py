@@ -17,7 +17,7 @@ import pytest
 from helpers import TINY_CONFIG
 from helpers import xla_flags
 from vit_jax import console
-from vit_jax import train
+from vit_jax.training import trainer
 
 
 # tests/test_commands.py checks every other command's console; export to a SavedModel is the
@@ -68,7 +68,7 @@ def test_the_collector_is_paused_inside_and_left_as_it_was_after():
 
 def test_filter_passes_project_lines_and_library_warnings():
   passes = console.ProjectOnly().filter
-  assert passes(record(train, logging.INFO))
+  assert passes(record(trainer, logging.INFO))
   assert passes(record(ocp, logging.WARNING))
   assert not passes(record(ocp, logging.INFO))
 
@@ -92,10 +92,10 @@ def test_progress_lines_become_one_live_bar_on_a_terminal():
   handler = console.ProgressBarHandler(terminal)
   handler.setFormatter(console.ConsoleFormatter())
   for step in (20, 40):
-    handler.handle(record(train, logging.INFO, f'step {step}/60: loss 1.0', progress=(step, 60)))
-  handler.handle(record(train, logging.INFO, 'step 40: test accuracy 0.5'))
-  handler.handle(record(train, logging.INFO, 'step 60/60: loss 0.5', progress=(60, 60)))
-  handler.handle(record(train, logging.INFO, 'Done.'))
+    handler.handle(record(trainer, logging.INFO, f'step {step}/60: loss 1.0', progress=(step, 60)))
+  handler.handle(record(trainer, logging.INFO, 'step 40: test accuracy 0.5'))
+  handler.handle(record(trainer, logging.INFO, 'step 60/60: loss 0.5', progress=(60, 60)))
+  handler.handle(record(trainer, logging.INFO, 'Done.'))
   lines = terminal.getvalue().split('\n')
   assert sum('step 40: test accuracy 0.5' in line for line in lines) == 1
   assert '\r' in terminal.getvalue()  # The bar was redrawn, not printed again.

@@ -12,9 +12,10 @@ import safetensors.numpy
 import scipy.special
 
 from helpers import images_of
-from vit_jax import checkpoint
-from vit_jax import convert
-from vit_jax import models_vit
+from vit_jax.checkpoints import convert
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
+from vit_jax.models import vit
 
 # Hidden size D, heads N, MLP size M, layers, patch P, classes, image size.
 D, N, M, LAYERS, P, CLASSES, SIZE = 12, 3, 20, 2, 4, 5, 16
@@ -109,7 +110,7 @@ def torch_vit_logits(image_chw, w, num_heads, eps):
 
 
 def our_logits(params, images, approximate_gelu=False):
-  model = models_vit.VisionTransformer(
+  model = vit.VisionTransformer(
       num_classes=CLASSES, patch_size=(P, P), hidden_size=D, mlp_dim=M, num_heads=N,
       num_layers=LAYERS, approximate_gelu=approximate_gelu)
   apply = jax.jit(lambda x: model.apply({'params': params}, x, train=False))
@@ -164,7 +165,7 @@ def test_cli_writes_a_published_layout_npz_whose_spec_computes_the_pytorch_logit
   assert 'Converted the timm state dict' in capsys.readouterr().out
   assert 'Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel' in np.load(tmp_path / 'vit.npz')
   assert not os.path.exists(tmp_path / 'vit.overrides.json')
-  model, params = checkpoint.load_model(tmp_path / 'vit.npz')  # The spec alone: no name.
+  model, params = runs.load_model(tmp_path / 'vit.npz')  # The spec alone: no name.
   assert not model.approximate_gelu
   image = images_of(SIZE, batch=1)
   expected = torch_vit_logits(image[0].transpose(2, 0, 1), w, N, TIMM_EPS)
@@ -239,7 +240,7 @@ def test_tensors_of_wrong_shapes_are_named(key, value, message):
   sd[key] = value
   if key.endswith('qkv.weight'):
     sd['blocks.0.attn.qkv.bias'] = np.ones(3 * D + 1, np.float32)
-  with pytest.raises(checkpoint.CheckpointError, match=message) as error:
+  with pytest.raises(npz.CheckpointError, match=message) as error:
     convert.convert_state_dict(sd, num_heads=N)
   assert '\n' not in str(error.value)
 

@@ -11,12 +11,12 @@ import optax
 import pytest
 
 from helpers import tiny_config
-from vit_jax import checkpoint
 from vit_jax import sharding
-from vit_jax import train
-from vit_jax import train_checkpoints
-from vit_jax import train_step
-from vit_jax import validation
+from vit_jax.checkpoints import runs
+from vit_jax.config import checks
+from vit_jax.training import state_checkpoints
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 pytestmark = pytest.mark.xdist_group('ema')  # Its module fixtures are built once.
 
@@ -32,7 +32,7 @@ def random_batch(size=8, seed=0):
 
 def state_and_step(config, mesh, optimizer=None):
   """(initial state, its shardings, jitted step) of the tiny model under `config`."""
-  model = train.build_model(config, num_classes=10)
+  model = trainer.build_model(config, num_classes=10)
   optimizer = optimizer or train_step.make_optimizer(config)
   state, shardings = train_step.create_train_state(config, model, optimizer, mesh, config.pp.crop)
   return state, shardings, train_step.jit_train_step(model, optimizer, config, mesh, shardings)
@@ -55,7 +55,7 @@ def test_decay_0_keeps_no_ema_and_an_ema_at_decay_0_is_the_params():
   config = tiny_config(ema_decay=0.0, warmup_steps=0)
   state, _, _ = state_and_step(config, one_device_mesh())
   assert state.ema is None
-  config_step = train_step.make_train_step(train.build_model(config, num_classes=10),
+  config_step = train_step.make_train_step(trainer.build_model(config, num_classes=10),
                                            train_step.make_optimizer(config), config)
   with_ema = state.replace(ema=jax.tree.map(jnp.zeros_like, state.params))
   new, _ = jax.jit(config_step)(with_ema, random_batch())
@@ -84,7 +84,7 @@ def stepped(tmp_path_factory):
   for seed in range(3):
     state, _ = step(state, random_batch(seed=seed))
   workdir = str(tmp_path_factory.mktemp('ema_checkpoints'))
-  checkpoints = train_checkpoints.Checkpoints(workdir, keep=2)
+  checkpoints = state_checkpoints.Checkpoints(workdir, keep=2)
   checkpoints.save(state, {'position': 3})
   checkpoints.close()
   return config, jax.device_get(state), mesh, workdir
@@ -98,7 +98,7 @@ def fresh_state(config, mesh):
 def test_resume_restores_the_ema_exactly(stepped):
   config, saved, mesh, workdir = stepped
   assert not np.allclose(saved.ema['head']['bias'], saved.params['head']['bias'])
-  checkpoints = train_checkpoints.Checkpoints(workdir, keep=2)
+  checkpoints = state_checkpoints.Checkpoints(workdir, keep=2)
   restored, data = checkpoints.restore(*fresh_state(config, mesh))
   checkpoints.close()
   assert data == {'position': 3} and int(restored.step) == 3
@@ -110,7 +110,7 @@ def test_a_checkpoint_without_ema_resumes_with_one_started_from_its_params(stepp
                                                                           caplog):
   config, saved, mesh, _ = stepped
   fresh = fresh_state(config, mesh)
-  checkpoints = train_checkpoints.Checkpoints(str(tmp_path), keep=2)
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path), keep=2)
   checkpoints.save(jax.device_put(saved.replace(ema=None)), {'position': 3})  # EMA off.
   with caplog.at_level(logging.WARNING):  # At once: the save may still be in progress.
     restored, _ = checkpoints.restore(*fresh)
@@ -125,9 +125,9 @@ def test_a_checkpoint_without_ema_resumes_with_one_started_from_its_params(stepp
 
 @pytest.mark.parametrize('decay', [1.0, -0.1, 1.5])
 def test_an_ema_decay_outside_0_1_is_a_one_line_config_error(decay):
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(checks.ConfigError,
                      match=r'^config.ema_decay=.* must be in \[0, 1\)') as e:
-    validation.validate_config(tiny_config(ema_decay=decay), jax.device_count())
+    checks.validate_config(tiny_config(ema_decay=decay), jax.device_count())
   assert '\n' not in str(e.value)
 
 
@@ -135,15 +135,15 @@ def test_run_with_ema_reports_both_and_exports_the_ema_as_model_npz(tmp_path):
   config = tiny_config(ema_decay=0.7, total_steps=6, eval_every=6, checkpoint_every=6,
                        progress_every=3, test_split='test[:500]')
   config.model.transformer.stochastic_depth = 0.1  # Its config path, and its spec in model.npz.
-  metrics = train.train_and_evaluate(config, str(tmp_path))
-  ema_model, ema_params = checkpoint.load_model(str(tmp_path))  # The workdir's model.npz.
-  raw_model, raw_params = checkpoint.load_model(str(tmp_path / 'model_raw.npz'))
+  metrics = trainer.train_and_evaluate(config, str(tmp_path))
+  ema_model, ema_params = runs.load_model(str(tmp_path))  # The workdir's model.npz.
+  raw_model, raw_params = runs.load_model(str(tmp_path / 'model_raw.npz'))
   assert ema_model == raw_model and ema_model.stochastic_depth == 0.1
   assert not np.allclose(ema_params['head']['kernel'], raw_params['head']['kernel'])
   # Each file, evaluated on its own, gives the accuracy the run reported for it.
-  eval_step = jax.jit(train.make_eval_step(ema_model))
-  mesh = train.make_mesh(config)
+  eval_step = jax.jit(trainer.make_eval_step(ema_model))
+  mesh = trainer.make_mesh(config)
   for params, name in ((ema_params, 'test_accuracy_ema'), (raw_params, 'test_accuracy')):
-    measured = train.evaluate(eval_step, params, config, mesh)['test_accuracy']
+    measured = trainer.evaluate(eval_step, params, config, mesh)['test_accuracy']
     assert measured == pytest.approx(metrics[name], abs=1e-6)
   assert os.path.exists(tmp_path / 'checkpoints' / '6')

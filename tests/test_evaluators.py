@@ -7,18 +7,18 @@ import pytest
 from helpers import read_scalars
 from helpers import tiny_config
 from vit_jax import evaluators
-from vit_jax import train
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.training import trainer
 
 
 def built(config, name):
   """The evaluator of config.evals[name], looked up by its type's name, with fresh params."""
-  validation.validate_config(config, jax.device_count())
-  model = train.build_model(config, num_classes=10)
+  checks.validate_config(config, jax.device_count())
+  model = trainer.build_model(config, num_classes=10)
   entry = config.evals[name]
   evaluator = evaluators.TYPES[evaluators.type_of(entry, config)](
-      name, entry, config, model, train.make_mesh(config))
-  return evaluator, train.init_params(config, model, config.pp.crop)
+      name, entry, config, model, trainer.make_mesh(config))
+  return evaluator, trainer.init_params(config, model, config.pp.crop)
 
 
 def test_a_classification_evaluator_reports_accuracy_and_loss_under_its_name():
@@ -45,7 +45,7 @@ def test_an_entry_with_its_own_split_and_cadence_is_evaluated_at_its_steps(tmp_p
   config = tiny_config(total_steps=30, checkpoint_every=30, eval_every=30, progress_every=10)
   config.evals.holdout = dict(type='classification', split='train[95%:]', every=10)
   with caplog.at_level('INFO'):
-    metrics = train.train_and_evaluate(config, str(tmp_path))
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   assert sorted(scalars['holdout_accuracy']) == [10, 20, 30]
   assert sorted(scalars['test_accuracy']) == [30]
@@ -59,7 +59,7 @@ def test_an_old_field_logs_one_deprecation_line_naming_what_to_write(caplog):
   config = tiny_config(val_split='train[95%:]', val_every=20)
   config.fewshot.shots = (1, 5)
   for _ in range(2):  # As the command line validates, then train_and_evaluate again.
-    validation.validate_config(config, jax.device_count())
+    checks.validate_config(config, jax.device_count())
   assert [r.getMessage() for r in caplog.records if r.levelname == 'WARNING'] == [
       "Deprecated: config.val_split, config.val_every, config.fewshot.shots; write "
       "--config.evals.val.split='train[95%:]' --config.evals.val.every=20 "
@@ -72,10 +72,10 @@ def test_an_old_field_logs_one_deprecation_line_naming_what_to_write(caplog):
 def test_an_unknown_type_is_a_one_line_error():
   config = tiny_config()
   config.evals.test.type = 'detection'
-  with pytest.raises(validation.ConfigError, match=(
+  with pytest.raises(checks.ConfigError, match=(
       r"config.evals.test.type='detection' is not one of \('classification', 'mpp', "
       r"'fewshot'\)")):
-    validation.validate_config(config, jax.device_count())
+    checks.validate_config(config, jax.device_count())
 
 
 def test_the_config_json_of_a_run_older_than_config_evals_resumes(tmp_path):
@@ -86,5 +86,5 @@ def test_the_config_json_of_a_run_older_than_config_evals_resumes(tmp_path):
       num_test=1000, seeds=1, train_split='train', test_split='test'))
   (tmp_path / 'config.json').write_text(json.dumps(older))
   config = tiny_config(val_split='train[95%:]', val_every=20)  # The same command, rerun.
-  validation.validate_config(config, jax.device_count())
-  assert train.resume_mismatches(config, str(tmp_path)) == []
+  checks.validate_config(config, jax.device_count())
+  assert trainer.resume_mismatches(config, str(tmp_path)) == []

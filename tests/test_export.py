@@ -19,12 +19,12 @@ import tensorflow as tf
 
 from helpers import PHOTOS
 from helpers import random_params
-from vit_jax import checkpoint
-from vit_jax import convert
-from vit_jax import export
-from vit_jax import input_pipeline
-from vit_jax import models
-from vit_jax import torch_layout
+from vit_jax.checkpoints import convert
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import torch_layout
+from vit_jax.data import pipeline
+from vit_jax.models import registry
+from vit_jax.tools import export
 
 pytestmark = pytest.mark.xdist_group('export')  # Its module fixtures are built once.
 
@@ -40,7 +40,7 @@ def assert_same_tree(actual, expected):
 def save_workdir(path, model_config, params):
   """A training workdir as vit_jax.main leaves it: model.npz and config.json (model, crop)."""
   os.makedirs(path)
-  checkpoint.save(params, os.path.join(path, 'model.npz'))
+  npz.save(params, os.path.join(path, 'model.npz'))
   with open(os.path.join(path, 'config.json'), 'w') as f:
     json.dump({'model': model_config.to_dict(), 'pp': {'crop': SIZE}}, f)
   return str(path)
@@ -49,18 +49,18 @@ def save_workdir(path, model_config, params):
 @pytest.fixture(name='token', scope='module')
 def fixture_token(tmp_path_factory):
   """(npz path, params) of the registry's 'testing' model, class token, 5 classes, at 64 px."""
-  params = random_params(models.get_model('testing', num_classes=CLASSES), SIZE)
+  params = random_params(registry.get_model('testing', num_classes=CLASSES), SIZE)
   path = tmp_path_factory.mktemp('token') / 'vit.npz'
-  checkpoint.save(params, path)
+  npz.save(params, path)
   return str(path), params
 
 
 @pytest.fixture(name='gap', scope='module')
 def fixture_gap(tmp_path_factory):
   """(workdir, params) of the 'testing' model with classifier='gap' (no class token)."""
-  config = models.get_model_config('testing')
+  config = registry.get_model_config('testing')
   config.classifier = 'gap'
-  params = random_params(models.get_model(config, num_classes=CLASSES), SIZE, seed=1)
+  params = random_params(registry.get_model(config, num_classes=CLASSES), SIZE, seed=1)
   return save_workdir(tmp_path_factory.mktemp('gap') / 'workdir', config, params), params
 
 
@@ -71,8 +71,8 @@ def export_and_convert_back(tmp_path, checkpoint_args, format_name, *convert_arg
   weights = os.path.join(out, 'model.safetensors') if format_name == 'hf' else out
   assert convert.main([weights, str(tmp_path / 'back.npz'), *convert_args]) == 0
   # The models use flax's tanh-approximate GELU (the default): recorded and read back.
-  assert checkpoint.read_spec(tmp_path / 'back.npz')['model']['approximate_gelu'] is True
-  return checkpoint.load(tmp_path / 'back.npz')
+  assert npz.read_spec(tmp_path / 'back.npz')['model']['approximate_gelu'] is True
+  return npz.load(tmp_path / 'back.npz')
 
 
 @pytest.mark.parametrize('format_name', ['timm', 'hf'])
@@ -91,8 +91,8 @@ def test_gap_workdir_exports_to_timm_and_converts_back_bit_for_bit(gap, tmp_path
 
 
 def test_registry_hybrid_exports_as_its_timm_model_and_converts_back_bit_for_bit(tmp_path):
-  params = random_params(models.get_model('R+ViT-Ti_16', num_classes=CLASSES), SIZE)
-  checkpoint.save(params, tmp_path / 'hybrid.npz')
+  params = random_params(registry.get_model('R+ViT-Ti_16', num_classes=CLASSES), SIZE)
+  npz.save(params, tmp_path / 'hybrid.npz')
   model_args = ['--model', 'R+ViT-Ti_16']
   back = export_and_convert_back(tmp_path, ['--checkpoint', str(tmp_path / 'hybrid.npz'),
                                             *model_args], 'timm', *model_args)
@@ -104,7 +104,7 @@ def test_registry_hybrid_exports_as_its_timm_model_and_converts_back_bit_for_bit
 
 def test_hybrid_state_dict_converts_back_bit_for_bit():
   # A small hybrid: ResNet stages of 1 and 2 units at width 32 (stride 8), 1x1 patches.
-  model = models.get_model('testing', num_classes=CLASSES, resnet_layers=(1, 2),
+  model = registry.get_model('testing', num_classes=CLASSES, resnet_layers=(1, 2),
                            resnet_width_factor=0.5, patch_size=(1, 1))
   params = random_params(model, SIZE)
   sd = torch_layout.to_state_dict(params, torch_layout.TIMM)
@@ -153,7 +153,7 @@ def expected_shapes(block, rest, block_prefix, layers, **sizes):
 
 def exported_shapes(model_name, layout):
   """{key: shape} of the export of registry model `model_name` (1000 classes, 224 px)."""
-  shapes = models.param_shapes(models.get_model(model_name, num_classes=1000), 224)
+  shapes = registry.param_shapes(registry.get_model(model_name, num_classes=1000), 224)
   exported = jax.eval_shape(functools.partial(torch_layout.to_state_dict, layout=layout), shapes)
   return {key: tuple(value.shape) for key, value in exported.items()}
 
@@ -211,7 +211,7 @@ def test_hugging_face_directory_has_config_and_preprocessing(token, tmp_path):
 
 
 def test_exact_gelu_is_named_for_both_libraries():
-  model = models.get_model('testing', num_classes=CLASSES, approximate_gelu=False)
+  model = registry.get_model('testing', num_classes=CLASSES, approximate_gelu=False)
   assert export.hugging_face_config(model, SIZE, ['a'] * CLASSES)['hidden_act'] == 'gelu'
   assert export.timm_model_args(model, SIZE)[1]['act_layer'] == 'gelu'
 
@@ -240,7 +240,7 @@ def test_timm_file_records_the_model_arguments(gap, tmp_path, capsys):
     ('timm', {'resnet_layers': (1, 2)}, 'timm has no hybrid of ResNet units (1, 2)'),
 ])
 def test_formats_refuse_models_they_cannot_represent(format_name, overrides, message):
-  model = models.get_model('testing', num_classes=CLASSES, **overrides)
+  model = registry.get_model('testing', num_classes=CLASSES, **overrides)
   with pytest.raises(export.ExportError, match=message.replace('(', r'\(').replace(')', r'\)')):
     export.check_exportable(model, format_name)
 
@@ -294,7 +294,7 @@ def photos(size=None):
 
 def apply_logits(params, images):
   """model.apply's logits of (B, 64, 64, 3) images in [-1, 1]."""
-  model = models.get_model('testing', num_classes=CLASSES)
+  model = registry.get_model('testing', num_classes=CLASSES)
   return np.asarray(model.apply({'params': params}, images, train=False))
 
 
@@ -315,7 +315,7 @@ def test_saved_model_resizes_like_the_eval_pipeline(token, saved_model):
   assert images.shape[1:] == (512, 512, 3)
   pp = ml_collections.ConfigDict({'crop': SIZE})
   expected = apply_logits(params, np.stack(
-      [input_pipeline.preprocess_eval(tf.constant(x), pp).numpy() for x in images]))
+      [pipeline.preprocess_eval(tf.constant(x), pp).numpy() for x in images]))
   logits = saved_model.signatures['serving_default'](images=tf.constant(images))['logits']
   np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-4, atol=1e-6)
 

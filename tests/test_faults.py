@@ -29,10 +29,10 @@ from helpers import xla_flags
 from test_main import MainProcess
 from test_main import free_port
 from test_main import run_main
-from vit_jax import checkpoint
 from vit_jax import heartbeats
-from vit_jax import input_pipeline_sources
-from vit_jax import summaries
+from vit_jax.checkpoints import npz
+from vit_jax.data import sources
+from vit_jax.training import summaries
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
 FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
@@ -111,7 +111,7 @@ def test_a_disk_full_at_the_last_checkpoint_still_writes_model_npz(small_disk):
       f'; the last good checkpoint is step 10. The final params are in {workdir}/model.npz; '
       'free some space and run the same command again for the final checkpoint.'), run.log
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['10']
-  assert checkpoint.load(workdir / 'model.npz')  # Complete: it loads.
+  assert npz.load(workdir / 'model.npz')  # Complete: it loads.
 
 
 def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_file(small_disk):
@@ -199,13 +199,13 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_eval
   assert rerun.finish() == 0, rerun.log
   assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
   assert ('evals.fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
-  assert checkpoint.load(tmp_path / 'model.npz')
+  assert npz.load(tmp_path / 'model.npz')
 
 
 def write_image_folder(root, per_class=20):
   """An image folder of 3 classes of 28x28 PNGs (embedded Fashion-MNIST images): per_class
   training and 2 test images each."""
-  with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+  with np.load(sources.EMBEDDED_PATH) as data:
     images, labels = data['train_images'], data['train_labels']
   for split, count, start in (('train', per_class, 0), ('test', 2, per_class)):
     for name, class_id in (('bag', 8), ('coat', 4), ('sandal', 5)):

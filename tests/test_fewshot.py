@@ -1,4 +1,4 @@
-"""Tests of few-shot linear evaluation, vit_jax/fewshot.py."""
+"""Tests of few-shot linear evaluation, vit_jax/evaluators/linear_probe.py."""
 import json
 import os
 import subprocess
@@ -10,9 +10,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from vit_jax import checkpoint
-from vit_jax import fewshot
-from vit_jax import models
+from vit_jax.checkpoints import npz
+from vit_jax.evaluators import linear_probe
+from vit_jax.tools import fewshot as fewshot_command
+from vit_jax.models import registry
 from helpers import xla_flags
 
 pytestmark = pytest.mark.xdist_group('fewshot')  # Its module fixtures are built once.
@@ -30,10 +31,11 @@ def test_solver_matches_numpy_least_squares_with_an_unregularised_bias():
   rng = np.random.default_rng(0)
   x = (rng.normal(size=(70, 6)) + 3).astype(np.float32)
   labels = rng.integers(0, 4, size=70)
-  stats = fewshot.zero_statistics(6, 4)
+  stats = linear_probe.zero_statistics(6, 4)
   for rows in np.array_split(np.arange(70), 5):  # Sums over 5 batches.
-    stats = fewshot.accumulate(stats, x[rows], fewshot.targets(labels[rows], 4), np.ones(14))
-  w, b = fewshot.solve(stats, 0.5)
+    stats = linear_probe.accumulate(stats, x[rows], linear_probe.targets(labels[rows], 4),
+                                    np.ones(14))
+  w, b = linear_probe.solve(stats, 0.5)
   # min ||[x 1] [w; b] - y||^2 + 0.5 ||w||^2 as one least-squares problem, in float64.
   y = np.where(np.eye(4)[labels] > 0, 1.0, -1.0)
   a = np.block([[x, np.ones((70, 1))], [np.sqrt(0.5) * np.eye(6), np.zeros((6, 1))]])
@@ -47,51 +49,51 @@ def test_planted_separable_features_are_classified_perfectly():
   centres = 4 * rng.normal(size=(5, 16))
   sample = lambda labels: centres[labels] + 0.3 * rng.normal(size=(len(labels), 16))
   train_labels = np.repeat(np.arange(5), 20)
-  shots, holdout = fewshot.choose_shots(train_labels, 5, 5, 3, seed=0)
+  shots, holdout = linear_probe.choose_shots(train_labels, 5, 5, 3, seed=0)
   train = sample(train_labels)
-  w, b, l2, holdout_accuracy = fewshot.probe(
+  w, b, l2, holdout_accuracy = linear_probe.probe(
       (train[shots.ravel()], train_labels[shots.ravel()]),
       (train[holdout.ravel()], train_labels[holdout.ravel()]), 5)
   test_labels = rng.integers(0, 5, size=500)
-  assert holdout_accuracy == 1.0 and l2 in fewshot.L2_GRID
-  np.testing.assert_array_equal(fewshot.predict(sample(test_labels), w, b), test_labels)
+  assert holdout_accuracy == 1.0 and l2 in linear_probe.L2_GRID
+  np.testing.assert_array_equal(linear_probe.predict(sample(test_labels), w, b), test_labels)
 
 
 def test_shot_choice_is_seeded_balanced_nested_and_apart_from_the_holdout():
   labels = np.random.default_rng(2).integers(0, 10, size=1000)
-  shots, holdout = fewshot.choose_shots(labels, 10, 25, 10, seed=3)
+  shots, holdout = linear_probe.choose_shots(labels, 10, 25, 10, seed=3)
   assert shots.shape == (10, 25) and holdout.shape == (10, 10)
   np.testing.assert_array_equal(labels[shots], np.arange(10)[:, None].repeat(25, 1))
   np.testing.assert_array_equal(labels[holdout], np.arange(10)[:, None].repeat(10, 1))
   assert len(set(shots.ravel()) | set(holdout.ravel())) == 350  # No image twice.
-  again, _ = fewshot.choose_shots(labels, 10, 25, 10, seed=3)
+  again, _ = linear_probe.choose_shots(labels, 10, 25, 10, seed=3)
   np.testing.assert_array_equal(again, shots)
-  five, _ = fewshot.choose_shots(labels, 10, 5, 10, seed=3)
+  five, _ = linear_probe.choose_shots(labels, 10, 5, 10, seed=3)
   np.testing.assert_array_equal(five, shots[:, :5])  # The 5 shots are among the 25.
-  other, _ = fewshot.choose_shots(labels, 10, 25, 10, seed=4)
+  other, _ = linear_probe.choose_shots(labels, 10, 25, 10, seed=4)
   assert not np.array_equal(other, shots)
 
 
 def test_too_few_images_of_a_class_is_a_clear_error():
   with pytest.raises(ValueError, match=r'Classes \[1\] have fewer than 5 shots \+ 2 held-out'):
-    fewshot.choose_shots(np.array([0] * 9 + [1] * 6), 2, 5, 2, seed=0)
+    linear_probe.choose_shots(np.array([0] * 9 + [1] * 6), 2, 5, 2, seed=0)
 
 
 @pytest.fixture(scope='module')
 def tiny_workdir(tmp_path_factory):
   """A workdir of the tiny model with its initial (random) parameters, as training lays it out."""
   workdir = tmp_path_factory.mktemp('workdir')
-  model = models.get_model(ml_collections.ConfigDict(TINY_MODEL), num_classes=10)
+  model = registry.get_model(ml_collections.ConfigDict(TINY_MODEL), num_classes=10)
   params = model.init(jax.random.key(0), np.zeros((1, 28, 28, 3)), train=False)['params']
-  checkpoint.save(params, str(workdir / 'model.npz'))
+  npz.save(params, str(workdir / 'model.npz'))
   (workdir / 'config.json').write_text(json.dumps({'model': TINY_MODEL, 'pp': {'crop': 28}}))
   return workdir
 
 
 def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdir, tmp_path,
                                                                      capsys):
-  out = tmp_path / 'fewshot.json'
-  assert fewshot.main(['--checkpoint', str(tiny_workdir), '--shots', '1,5', '--seeds', '2',
+  out = tmp_path / 'linear_probe.json'
+  assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--shots', '1,5', '--seeds', '2',
                        '--holdout', '3', '--train_split', 'train[:1000]',
                        '--test_split', 'test[:400]', '--batch', '200', '--out', str(out)]) == 0
   printed = capsys.readouterr().out
@@ -105,7 +107,7 @@ def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdi
 
 
 def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
-  assert fewshot.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 1
+  assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 1
   assert "--shots='5,x': give positive integers" in capsys.readouterr().err
 
 
@@ -115,7 +117,7 @@ def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
 MANY_BATCHES_ON_TWO_DEVICES = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from vit_jax import fewshot
+    from vit_jax.evaluators import linear_probe
     rows = NamedSharding(Mesh(np.array(jax.devices()), ('data',)), P('data'))
     rng = np.random.default_rng(0)
     batches = [jax.device_put({
@@ -124,7 +126,7 @@ MANY_BATCHES_ON_TWO_DEVICES = textwrap.dedent("""
         'shots': (rng.random((16, 6)) < 0.5).astype(np.float32),
         'holdout': (rng.random((16, 6)) < 0.5).astype(np.float32)}, rows) for _ in range(100)]
     for _ in range(3):
-      w, b, l2, accuracy = fewshot.fit(batches, 4)
+      w, b, l2, accuracy = linear_probe.fit(batches, 4)
     print(jax.device_count(), 'devices:', w.shape)
 """)
 

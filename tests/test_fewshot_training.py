@@ -6,11 +6,11 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from vit_jax import fewshot
-from vit_jax import input_pipeline_sources as sources
-from vit_jax import train
+from vit_jax.config import checks
+from vit_jax.data import sources
 from vit_jax.evaluators import fewshot as fewshot_evaluator
-from vit_jax import validation
+from vit_jax.evaluators import linear_probe
+from vit_jax.training import trainer
 import tiny_config
 
 pytestmark = pytest.mark.xdist_group('fewshot_training')  # Its module fixtures are built once.
@@ -25,16 +25,17 @@ def tiny():
   config.batch_eval = 200
   config.evals.fewshot.update(train_split='train[:1000]', num_test=400)
   config = fewshot_evaluator.dataset_config(config.evals.fewshot, config, 'fashion_mnist_embedded')
-  model = train.build_model(config, num_classes=10)
+  model = trainer.build_model(config, num_classes=10)
   init = jax.jit(functools.partial(model.init, train=False))  # One compilation, not one per op.
   return config, model, init(jax.random.key(0), np.zeros((1, 28, 28, 3)))['params']
 
 
 def test_held_out_images_that_choose_the_l2_are_never_among_the_shots(tiny):
   config, _, _ = tiny
-  labels = fewshot.split_labels(config, config.train_split)
-  draws = [fewshot.choose_shots(labels, 10, max(SHOTS), HOLDOUT, seed) for seed in SEEDS]
-  batches = list(fewshot.train_batches(config, labels, draws, SHOTS, fewshot.default_mesh()))
+  labels = linear_probe.split_labels(config, config.train_split)
+  draws = [linear_probe.choose_shots(labels, 10, max(SHOTS), HOLDOUT, seed) for seed in SEEDS]
+  batches = list(linear_probe.train_batches(config, labels, draws, SHOTS,
+                                            linear_probe.default_mesh()))
   # Which training image each row is, found by its pixels among those of the split.
   raw_images, raw_labels = sources.get_source(config).select(config.train_split)
   raw = raw_images.reshape(len(raw_images), -1) / 127.5 - 1
@@ -60,8 +61,8 @@ def compilations(caplog) -> list[str]:
 
 def test_a_second_evaluation_compiles_nothing(tiny, caplog):
   config, model, params = tiny
-  evaluate = functools.partial(fewshot.evaluate, model, config=config, shots=SHOTS, seeds=SEEDS,
-                               holdout=HOLDOUT)
+  evaluate = functools.partial(linear_probe.evaluate, model, config=config, shots=SHOTS,
+                               seeds=SEEDS, holdout=HOLDOUT)
   with jax.log_compiles(), caplog.at_level('WARNING'):
     first = evaluate(params=params)
   assert any('features' in line for line in compilations(caplog))
@@ -78,10 +79,10 @@ def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
   config = tiny_config.get_config()
   config.evals.fewshot.update(datasets=('fashion_mnist_embedded',), num_train=1000, num_test=400)
   config.model.classifier = 'unpooled'
-  model = train.build_model(config, num_classes=10)
-  with pytest.raises(validation.ConfigError) as error:
+  model = trainer.build_model(config, num_classes=10)
+  with pytest.raises(checks.ConfigError) as error:
     fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
-                                       train.make_mesh(config))
+                                       trainer.make_mesh(config))
   assert str(error.value) == (
       "config.evals.fewshot.datasets: classifier='unpooled' gives features per token; few-shot "
       "evaluation needs one vector per image: a 'token' or 'gap' model.")
@@ -101,6 +102,6 @@ def test_an_image_folder_is_a_fewshot_dataset(tiny, tmp_path):
   config.batch_eval = 200
   config.evals.fewshot.update(datasets=(str(folder),), shots=(5,), train_split='train')
   metrics = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
-                                               train.make_mesh(config)).run(params)
+                                               trainer.make_mesh(config)).run(params)
   assert list(metrics) == ['fewshot/three_classes_5shot']
   assert metrics['fewshot/three_classes_5shot'] > 0.6  # Chance is 1/3.

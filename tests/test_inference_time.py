@@ -4,8 +4,9 @@ import json
 import jax
 import pytest
 
-from vit_jax import inference_time
-from vit_jax import models
+from vit_jax.models import flops
+from vit_jax.models import registry
+from vit_jax.tools import inference_time
 
 FIELDS = ('model', 'mode', 'batch', 'image_size', 'dtype', 'device', 'devices',
           'images_per_second', 'ms_per_batch', 'gflops_per_image', 'achieved_gflops',
@@ -51,7 +52,7 @@ def test_train_step_counts_three_forward_passes(tmp_path):
   result = run_cli(tmp_path, '--batch', '8', '--train', '--optimizer', 'adamw')
   check_fields(result)
   assert (result['mode'], result['optimizer']) == ('train', 'adamw')
-  forward = models.gflops_per_image(models.get_model('testing', num_classes=1000), 32)
+  forward = flops.gflops_per_image(registry.get_model('testing', num_classes=1000), 32)
   assert result['gflops_per_image'] == pytest.approx(3 * forward)
 
 

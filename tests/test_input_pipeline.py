@@ -18,13 +18,13 @@ from PIL import Image
 import pytest
 import tensorflow_datasets as tfds
 
-from vit_jax import input_pipeline as ip
-from vit_jax import input_pipeline_sources
+from vit_jax.data import pipeline as ip
+from vit_jax.data import sources
 import tiny_tfds
 
 pytestmark = pytest.mark.xdist_group('input_pipeline')  # Its module fixtures are built once.
 
-with np.load(input_pipeline_sources.EMBEDDED_PATH) as data:
+with np.load(sources.EMBEDDED_PATH) as data:
   EMBEDDED = {name: data[name] for name in data.files}  # Decompressed once.
 FOLDER_CLASSES = ('bag', 'coat', 'sandal')  # Fashion-MNIST classes 8, 4, 5.
 FOLDER_CLASS_IDS = (8, 4, 5)
@@ -203,7 +203,7 @@ def test_embedded_and_folder_read_split_strings(folder):
 def test_labels_are_those_of_the_records_in_their_order_read_without_the_images(config_factory):
   """What few-shot draws its shots from: the labels of the records that the images are read
   with, in the same order."""
-  source = input_pipeline_sources.get_source(config_factory())
+  source = sources.get_source(config_factory())
   records = source.shard('train[2:12]', 0, 1).epoch(None).as_numpy_iterator()
   labels = source.labels('train[2:12]')
   assert labels.dtype == np.int64
@@ -212,7 +212,7 @@ def test_labels_are_those_of_the_records_in_their_order_read_without_the_images(
 
 
 def test_embedded_labels_are_the_stored_arrays():
-  labels = input_pipeline_sources.get_source(make_config()).labels('test[:10%]+train[-5:]')
+  labels = sources.get_source(make_config()).labels('test[:10%]+train[-5:]')
   np.testing.assert_array_equal(labels, np.concatenate([EMBEDDED['test_labels'][:1000],
                                                         EMBEDDED['train_labels'][-5:]]))
 
@@ -479,6 +479,6 @@ def test_batch_sizes_that_do_not_divide_are_explained(mesh):
 
 def test_shuffle_buffer_comes_from_the_config_alone():
   config = make_config()
-  del config['shuffle_buffer']  # No second default (the config's is vit_jax/config.py's).
+  del config['shuffle_buffer']  # No second default (the config's is vit_jax/config/defaults.py's).
   with pytest.raises(AttributeError, match='shuffle_buffer'):
-    input_pipeline_sources.get_source(config)
+    sources.get_source(config)

@@ -23,12 +23,12 @@ import pytest
 from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import xla_flags
-from vit_jax import config as defaults
-from vit_jax import analysis
-from vit_jax import checkpoint
 from vit_jax import main
-from vit_jax import train
+from vit_jax.checkpoints import npz
+from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
+from vit_jax.models import analysis
+from vit_jax.training import trainer
 
 # Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
@@ -98,7 +98,7 @@ def run_main(workdir, overrides, *extra, **kwargs):
 def uninterrupted(tmp_path_factory):
   """The workdir of the long run trained in one go, in this process (the same 8 CPU devices)."""
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  train.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))
+  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))
   return workdir
 
 
@@ -107,7 +107,7 @@ SHARES_UNINTERRUPTED = pytest.mark.xdist_group('uninterrupted')
 
 
 def final_params(workdir):
-  return checkpoint.load(os.path.join(workdir, 'model.npz'))
+  return npz.load(os.path.join(workdir, 'model.npz'))
 
 
 def assert_same_params(workdir, reference_workdir):
@@ -144,7 +144,7 @@ def test_help_exits_0_and_lists_the_config_fields_with_values_and_meanings():
 def test_every_config_field_has_a_meaning():
   config = defaults.training_defaults()
   config.model = None  # Described by model_name, whose registry entry fills it.
-  assert set(train.flatten_config(config)) == set(defaults.FIELD_HELP) | {'model'}
+  assert set(trainer.flatten_config(config)) == set(defaults.FIELD_HELP) | {'model'}
 
 
 def test_misspelt_config_field_is_one_line_naming_the_close_match():
@@ -191,7 +191,7 @@ def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(
   resumed = MainProcess(None, {}, command=[sys.executable, *command[1:]])
   log = interrupt(resumed, tmp_path, 'SIGTERM', at_step=20)  # A preemption of the resumed run.
   assert 'Resuming from step' in log
-  train.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))  # The rest, in this process.
+  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))  # The rest, in this process.
   assert_same_params(tmp_path, uninterrupted)
 
 
@@ -207,7 +207,7 @@ def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
   run.finish()
 
   with caplog.at_level(logging.INFO):  # Resumed here, as the same command would.
-    train.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))
+    trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))
   resumed = int(caplog.text.split('Resuming from step ')[1].split()[0])
   assert resumed in (20, 40)
   assert_same_params(tmp_path, uninterrupted)
@@ -282,10 +282,10 @@ def one_process(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('one_process')
   config = tiny_config(**SHORT_RUN)
   config.evals.fewshot.update(FEWSHOT)
-  train.train_and_evaluate(config, str(workdir))
-  mesh = train.make_mesh(config)
+  trainer.train_and_evaluate(config, str(workdir))
+  mesh = trainer.make_mesh(config)
   params = jax.device_put(final_params(workdir), NamedSharding(mesh, PartitionSpec()))
-  model = train.build_model(config, num_classes=10)
+  model = trainer.build_model(config, num_classes=10)
   evaluator = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
                                                  mesh)
   return workdir, evaluator.run(params)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import config as defaults
-from vit_jax import train_step as ts
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.training import step as ts
 import tiny_config
 
 LABELS = np.array([0, 3, 3, 1, 2])
@@ -98,4 +98,4 @@ def test_step_with_mixup_trains_on_mixed_targets_and_differs_from_without():
 def test_negative_mixup_is_a_one_line_config_error(p):
   config = defaults.get_config()
   config.mixup.p = p
-  assert validation.values_error(config).startswith('config.mixup.p=')
+  assert checks.values_error(config).startswith('config.mixup.p=')

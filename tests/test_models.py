@@ -1,11 +1,12 @@
-"""Tests of the registry, vit_jax/models.py."""
+"""Tests of the registry, vit_jax/models/registry.py."""
 import json
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from vit_jax import models
+from vit_jax.models import flops
+from vit_jax.models import registry
 
 # Published parameter counts at 1000 classes and 224 px.
 PUBLISHED_SIZES = {
@@ -34,30 +35,30 @@ PUBLISHED_SIZES = {
 def test_parameter_count_matches_published(name, size):
   # Scanned, the blocks are traced once; their parameters are the unscanned ones, stacked (the
   # unscanned count: test_hybrid_r50_b16_has_14x14_tokens_at_224_and_its_published_count).
-  model = models.get_model(name, num_classes=1000, scan_layers=True)
-  assert models.count_params(model, image_size=224) == size
+  model = registry.get_model(name, num_classes=1000, scan_layers=True)
+  assert registry.count_params(model, image_size=224) == size
 
 
 def test_registry_holds_every_published_model():
-  assert set(PUBLISHED_SIZES) <= set(models.MODEL_CONFIGS)
+  assert set(PUBLISHED_SIZES) <= set(registry.MODEL_CONFIGS)
 
 
 def test_unknown_model_lists_known_names_but_not_the_internal_testing_model():
   with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_99'.*ViT-B_16.*R50\+ViT-B_16") as e:
-    models.get_model('ViT-X_99', num_classes=10)
+    registry.get_model('ViT-X_99', num_classes=10)
   assert 'testing' not in str(e.value)
-  assert 'testing' not in models.LISTED_MODELS and 'testing' in models.MODEL_CONFIGS
+  assert 'testing' not in registry.LISTED_MODELS and 'testing' in registry.MODEL_CONFIGS
 
 
 def test_overrides_replace_fields_and_unknown_ones_fail():
-  model = models.get_model('ViT-B_16', num_classes=10, dtype=jnp.bfloat16, classifier='gap')
+  model = registry.get_model('ViT-B_16', num_classes=10, dtype=jnp.bfloat16, classifier='gap')
   assert (model.dtype, model.classifier, model.num_classes) == (jnp.bfloat16, 'gap', 10)
   with pytest.raises(ValueError, match='Unknown model fields.*hidden_sizes'):
-    models.get_model('ViT-B_16', num_classes=10, hidden_sizes=3)
+    registry.get_model('ViT-B_16', num_classes=10, hidden_sizes=3)
 
 
 def test_hybrid_r50_b16_has_14x14_tokens_at_224_and_its_published_count():
-  params = models.param_shapes(models.get_model('R50+ViT-B_16', num_classes=1000), 224)
+  params = registry.param_shapes(registry.get_model('R50+ViT-B_16', num_classes=1000), 224)
   assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 14 * 14 + 1, 768)
   assert params['embedding']['kernel'].shape == (1, 1, 1024, 768)
   assert params['block3']['unit9']['conv3']['kernel'].shape == (1, 1, 256, 1024)
@@ -68,7 +69,7 @@ def test_hybrid_r50_b16_has_14x14_tokens_at_224_and_its_published_count():
 def xla_gflops(model, image_size):
   """GFLOPs of one image's forward pass as XLA:CPU's cost analysis counts them in the lowered
   (not compiled) unscanned model."""
-  params = models.param_shapes(model, image_size)
+  params = registry.param_shapes(model, image_size)
   images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
   lowered = jax.jit(lambda p, x: model.apply({'params': p}, x, train=False)).lower(params, images)
   return lowered.cost_analysis()['flops'] / 1e9
@@ -76,39 +77,39 @@ def xla_gflops(model, image_size):
 
 # One block per model keeps the lowering fast; blocks then weigh least against stem, patch
 # embedding and head, so these are checked the hardest.
-@pytest.mark.parametrize('name', models.MODEL_CONFIGS)
+@pytest.mark.parametrize('name', registry.MODEL_CONFIGS)
 def test_gflops_match_xla_cost_analysis_within_one_percent(name):
-  model = models.get_model(name, num_classes=1000, num_layers=1)
-  assert models.gflops_per_image(model, 224) == pytest.approx(xla_gflops(model, 224), rel=0.01)
+  model = registry.get_model(name, num_classes=1000, num_layers=1)
+  assert flops.gflops_per_image(model, 224) == pytest.approx(xla_gflops(model, 224), rel=0.01)
 
 
 def test_gflops_match_xla_at_another_resolution_and_classifiers():
   for classifier in ('unpooled', 'token_unpooled'):
-    model = models.get_model('ViT-Ti_16', num_classes=10, num_layers=2, classifier=classifier,
+    model = registry.get_model('ViT-Ti_16', num_classes=10, num_layers=2, classifier=classifier,
                              representation_size=64)
-    assert models.gflops_per_image(model, 96) == pytest.approx(xla_gflops(model, 96), rel=0.01)
+    assert flops.gflops_per_image(model, 96) == pytest.approx(xla_gflops(model, 96), rel=0.01)
 
 
 def test_gflops_of_b16_match_the_paper():
   # ~17.6 G multiply-adds per 224 px image, i.e. ~35 GFLOPs.
-  gflops = models.gflops_per_image(models.get_model('ViT-B_16', num_classes=1000))
+  gflops = flops.gflops_per_image(registry.get_model('ViT-B_16', num_classes=1000))
   assert 34 < gflops < 37
 
 
 def test_spec_is_json_and_rebuilds_every_registry_model_but_its_execution_choices():
-  for name in models.MODEL_CONFIGS:
-    model = models.get_model(name, num_classes=10, dtype=jnp.bfloat16, scan_layers=True)
-    spec = json.loads(json.dumps(models.model_spec(model, name)))
+  for name in registry.MODEL_CONFIGS:
+    model = registry.get_model(name, num_classes=10, dtype=jnp.bfloat16, scan_layers=True)
+    spec = json.loads(json.dumps(registry.model_spec(model, name)))
     assert spec['name'] == name and 'dtype' not in spec['model']
-    assert models.model_from_spec(spec) == model.clone(dtype=jnp.float32, scan_layers=False)
+    assert registry.model_from_spec(spec) == model.clone(dtype=jnp.float32, scan_layers=False)
 
 
 def test_spec_of_unknown_or_missing_fields_is_a_clear_error():
-  spec = models.model_spec(models.get_model('testing', num_classes=3), 'testing')
+  spec = registry.model_spec(registry.get_model('testing', num_classes=3), 'testing')
   with pytest.raises(ValueError, match=r"fields \['mask_token'\] that this vit_jax does not know"):
-    models.model_from_spec({**spec, 'model': {**spec['model'], 'mask_token': True}})
+    registry.model_from_spec({**spec, 'model': {**spec['model'], 'mask_token': True}})
   del spec['model']['hidden_size']
   with pytest.raises(ValueError, match=r'Incomplete model spec: .*hidden_size'):
-    models.model_from_spec(spec)
+    registry.model_from_spec(spec)
   with pytest.raises(ValueError, match=r'Not a model spec: \[1, 2\]'):
-    models.model_from_spec([1, 2])
+    registry.model_from_spec([1, 2])

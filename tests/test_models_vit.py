@@ -1,4 +1,4 @@
-"""Tests of the Vision Transformer modules, vit_jax/models_vit.py."""
+"""Tests of the Vision Transformer modules, vit_jax/models/vit.py."""
 import contextlib
 import io
 
@@ -14,10 +14,10 @@ from helpers import TINY_VIT as TINY
 from helpers import images_of
 from helpers import random_params
 from helpers import tiny_vit
-from vit_jax import checkpoint
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import models_resnet
+from vit_jax.checkpoints import npz
+from vit_jax.models import registry
+from vit_jax.models import resnet
+from vit_jax.models import vit
 
 
 # A hand-written reference of equations (1)-(4) of the paper, in numpy.
@@ -174,9 +174,9 @@ def test_unknown_classifier_is_a_clear_error():
 
 def test_hybrid_stem_divides_resolution_by_its_stride():
   for num_layers, stride in [((), 4), ((1, 1), 8), ((1, 1, 1), 16)]:
-    assert models_resnet.stem_stride(num_layers) == stride
+    assert resnet.stem_stride(num_layers) == stride
     model = tiny_vit(patch_size=(1, 1), resnet_layers=num_layers, resnet_width_factor=0.5)
-    params = models.param_shapes(model, image_size=64)  # Shapes only: nothing is computed.
+    params = registry.param_shapes(model, image_size=64)  # Shapes only: nothing is computed.
     tokens = params['Transformer']['posembed_input']['pos_embedding'].shape[1]
     assert tokens == (64 // stride)**2 + 1
 
@@ -207,7 +207,7 @@ def test_patch_pixels_grid_and_class_token_match_the_tokens_the_model_makes(
 
 def test_weight_standardisation_gives_zero_mean_unit_std_per_output_channel():
   kernel = jax.random.normal(jax.random.key(0), (3, 3, 4, 6)) * 5 + 2
-  w = models_resnet.standardize_weight(kernel)
+  w = resnet.standardize_weight(kernel)
   np.testing.assert_allclose(w.mean(axis=(0, 1, 2)), 0, atol=1e-5)
   np.testing.assert_allclose(w.std(axis=(0, 1, 2)), 1, atol=1e-4)
 
@@ -220,7 +220,7 @@ def test_scanned_blocks_give_the_same_logits_from_stacked_params():
   block = shapes['params']['Transformer']['encoderblock']
   assert block['MlpBlock_0']['Dense_0']['kernel'].shape == (2, 12, 20)  # (L, D, M)
   assert block['MultiHeadDotProductAttention_0']['query']['kernel'].shape == (2, 12, 3, 4)
-  scanned = checkpoint.scan_blocks(params)
+  scanned = npz.scan_blocks(params)
   assert jax.tree.map(np.shape, scanned) == jax.tree.map(lambda x: x.shape, shapes['params'])
   np.testing.assert_allclose(scanned_model.apply({'params': scanned}, images, train=False),
                              tiny_vit().apply({'params': params}, images, train=False),
@@ -249,7 +249,7 @@ def test_features_agree_between_scanned_and_unscanned_blocks_and_under_sharded_j
   scanned = jax.jit(
       lambda p, x: tiny_vit(scan_layers=True).apply({'params': p}, x, method='features'),
       in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))))(
-          checkpoint.scan_blocks(params), images)
+          npz.scan_blocks(params), images)
   assert scanned.sharding.spec == P('data')
   np.testing.assert_allclose(scanned, features, rtol=1e-5, atol=1e-5)
 
@@ -259,7 +259,7 @@ def test_scanned_blocks_sow_attention_weights_stacked_over_layers():
   params = random_params(tiny_vit(), images.shape[1:3], scale=0.3)
   _, state = tiny_vit().apply({'params': params}, images, train=False, mutable=['intermediates'])
   _, scanned_state = tiny_vit(scan_layers=True).apply(
-      {'params': checkpoint.scan_blocks(params)}, images, train=False, mutable=['intermediates'])
+      {'params': npz.scan_blocks(params)}, images, train=False, mutable=['intermediates'])
   stacked = scanned_state['intermediates']['Transformer']['encoderblock'][
       'MultiHeadDotProductAttention_0']['attention_weights'][0]
   assert stacked.shape == (2, 2, 3, 17, 17)  # (L, B, N, T, T)
@@ -330,7 +330,7 @@ def plain_attention(q, k, v):
 def test_padded_and_masked_attention_equals_plain_attention_with_gradients(tokens):
   q, k, v = (jax.random.normal(key, (2, 3, tokens, 8))
              for key in jax.random.split(jax.random.key(0), 3))
-  padded = lambda *a: models_vit.padded_attention(*a, multiple=16, implementation='xla')
+  padded = lambda *a: vit.padded_attention(*a, multiple=16, implementation='xla')
   # f(q, k, v) and the gradients of sum(sin(f)), in one jitted program each.
   with_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(
       lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(*a)))(q, k, v)
@@ -349,10 +349,10 @@ def np_msa_heads(q, k, v):
 
 
 def test_auto_attention_is_cudnn_only_on_nvidia_gpus():
-  assert models_vit.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
-  assert models_vit.resolve_attention('cudnn', jax.devices()) == 'cudnn'
+  assert vit.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
+  assert vit.resolve_attention('cudnn', jax.devices()) == 'cudnn'
   with pytest.raises(ValueError, match=r"attention='splash' is a TPU kernel, and these are CPU"):
-    models_vit.resolve_attention('splash', jax.devices())
+    vit.resolve_attention('splash', jax.devices())
   with pytest.raises(ValueError,
                      match=r"attention='auto'; choose one of \('xla', 'cudnn', 'splash'\)"):
     tiny_vit(attention='auto').init(jax.random.key(0), images_of(), train=False)
@@ -380,7 +380,7 @@ def mean_logit(model, images, train):
 def lowered_for_gpu(model, images, train):
   """The StableHLO text of `mean_logit`, lowered for a CUDA GPU on whatever host runs the
   test (the parameters' shapes are traced with XLA's attention)."""
-  params = models.param_shapes(model.clone(attention='xla'), images.shape[1])
+  params = registry.param_shapes(model.clone(attention='xla'), images.shape[1])
   return mean_logit(model, images, train).trace(params).lower(
       lowering_platforms=('cuda',)).as_text()
 

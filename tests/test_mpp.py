@@ -1,4 +1,4 @@
-"""Tests of masked patch prediction, vit_jax/mpp.py: targets, corruption, loss, fine-tuning."""
+"""Tests of masked patch prediction, vit_jax/tasks/mpp.py: targets, corruption, loss, fine-tuning."""
 import functools
 import logging
 import os
@@ -14,15 +14,16 @@ import pytest
 
 import helpers
 import tiny_config
-from vit_jax import analysis
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import models
-from vit_jax import mpp
 from vit_jax import sharding
-from vit_jax import train
-from vit_jax import train_step
-from vit_jax import validation
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import npz
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.models import analysis
+from vit_jax.models import registry
+from vit_jax.tasks import mpp
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 pytestmark = pytest.mark.xdist_group('mpp')  # Its module fixtures are built once.
 
@@ -83,7 +84,7 @@ def test_corruption_plan_is_a_function_of_the_key():
 
 def tiny_model(num_classes=10, **overrides):
   """The registry's 'testing' ViT (width 16, one block) on 8 x 8 patches: 2 x 2 of a 16 px image."""
-  return models.get_model('testing', num_classes=num_classes, patch_size=(8, 8), **overrides)
+  return registry.get_model('testing', num_classes=num_classes, patch_size=(8, 8), **overrides)
 
 
 @pytest.fixture(scope='module')
@@ -105,7 +106,7 @@ def random_params(model):
 
 
 def test_extra_params_sit_beside_the_published_layout(model, random_params):
-  published = models.param_shapes(tiny_model(), 16)
+  published = registry.param_shapes(tiny_model(), 16)
   assert set(random_params) == set(published) | {'mpp_mask_embedding', 'mpp_head'}
   assert random_params['mpp_head']['kernel'].shape == (16, 512)
   axes = sharding.param_axes(sharding.declared_params(model, 16))
@@ -166,11 +167,11 @@ def test_head_learns_a_planted_colour_problem():
 def test_fine_tuning_drops_the_extra_params_and_keeps_the_rest(model, random_params, tmp_path,
                                                                caplog):
   path = str(tmp_path / 'pretrained.npz')
-  checkpoint.save(jax.device_get(random_params), path)
+  npz.save(jax.device_get(random_params), path)
   supervised = tiny_model(num_classes=3)
   fresh = init_params(supervised, jnp.zeros((1, 16, 16, 3)), seed=5)
   with caplog.at_level(logging.INFO):
-    loaded = checkpoint.load_pretrained(path, jax.device_get(fresh), supervised)
+    loaded = finetune.load_pretrained(path, jax.device_get(fresh), supervised)
   assert 'Dropped the pre-training parameters mpp_head, mpp_mask_embedding' in caplog.text
   assert set(loaded) == set(fresh)
   np.testing.assert_array_equal(loaded['head']['kernel'], fresh['head']['kernel'])
@@ -194,8 +195,8 @@ def test_bad_values_are_one_line_errors(overrides, message):
     else:
       parent, _, name = field.rpartition('.')
       (config[parent] if parent else config)[name] = value
-  with pytest.raises(validation.ConfigError, match=re.escape(message)) as error:
-    validation.validate_config(config, 1)
+  with pytest.raises(checks.ConfigError, match=re.escape(message)) as error:
+    checks.validate_config(config, 1)
   assert '\n' not in str(error.value)
 
 
@@ -225,7 +226,7 @@ def unlabelled_folder(tmp_path_factory):
 @pytest.fixture(scope='module')
 def mpp_workdir(tmp_path_factory, unlabelled_folder):
   workdir = str(tmp_path_factory.mktemp('mpp'))
-  return workdir, train.train_and_evaluate(mpp_config(unlabelled_folder), workdir)
+  return workdir, trainer.train_and_evaluate(mpp_config(unlabelled_folder), workdir)
 
 
 def test_run_logs_mpp_metrics_and_writes_the_published_layout(mpp_workdir):
@@ -235,7 +236,7 @@ def test_run_logs_mpp_metrics_and_writes_the_published_layout(mpp_workdir):
     assert tag in scalars, tag
   assert 0 <= metrics['test_mpp_accuracy'] <= 1 and 'test_accuracy' not in metrics
   assert metrics['test_mpp_loss'] < np.log(512)  # Below chance after 4 steps.
-  params = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  params = npz.load(os.path.join(workdir, 'model.npz'))
   assert {'embedding', 'cls', 'Transformer', 'head', 'mpp_head', 'mpp_mask_embedding'} == set(
       params)
 
@@ -246,8 +247,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_did(mpp_workdir, unlabel
   shutil.copytree(mpp_workdir[0], workdir)
   shutil.rmtree(os.path.join(workdir, 'checkpoints', '4'))  # As if stopped after step 2.
   os.remove(os.path.join(workdir, 'model.npz'))
-  metrics = train.train_and_evaluate(mpp_config(unlabelled_folder), workdir)
+  metrics = trainer.train_and_evaluate(mpp_config(unlabelled_folder), workdir)
   # The corruption of steps 3 and 4 is drawn again from the same keys.
-  jax.tree.map(np.testing.assert_array_equal, checkpoint.load(os.path.join(workdir, 'model.npz')),
-               checkpoint.load(os.path.join(mpp_workdir[0], 'model.npz')))
+  jax.tree.map(np.testing.assert_array_equal, npz.load(os.path.join(workdir, 'model.npz')),
+               npz.load(os.path.join(mpp_workdir[0], 'model.npz')))
   assert metrics['test_mpp_loss'] == mpp_workdir[1]['test_mpp_loss']

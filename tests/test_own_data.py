@@ -18,11 +18,11 @@ from helpers import read_scalars
 from helpers import tiny_config
 from helpers import write_image_folder
 from helpers import xla_flags
-from vit_jax import config as defaults
 from vit_jax import main
-from vit_jax import train
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
+from vit_jax.training import trainer
 import tiny_tfds
 
 pytestmark = pytest.mark.xdist_group('own_data')  # The module fixture runs once.
@@ -145,9 +145,9 @@ class OneClassFashionMnist(tiny_tfds.TinyFashionMnist):
 def test_a_tfds_dataset_of_one_class_is_refused(tmp_path):
   config = tiny_config(dataset='one_class_fashion_mnist', tfds_data_dir=str(tmp_path),
                        test_split='test')
-  with pytest.raises(validation.ConfigError, match=r"^config.dataset='one_class_fashion_mnist' "
+  with pytest.raises(checks.ConfigError, match=r"^config.dataset='one_class_fashion_mnist' "
                      r'has 1 class \(T-shirt/top\): a classifier needs 2 or more\.'):
-    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+    trainer.train_and_evaluate(config, str(tmp_path / 'workdir'))
   assert not (tmp_path / 'workdir' / 'checkpoints').exists()
 
 

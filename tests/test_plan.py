@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 import helpers
-from vit_jax import config as defaults
 from vit_jax import console
-from vit_jax import fit
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import plan
-from vit_jax import registry
-from vit_jax import train_setup
+from vit_jax.config import defaults
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.tools import plan
+from vit_jax.training import fit
+from vit_jax.training import setup as train_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(ROOT, 'tests', 'tiny_config.py')
@@ -157,7 +156,7 @@ def test_splash_attention_masks_the_padded_tokens_as_softmax_attention_would():
   def softmax_attention(q, k, v):
     return jnp.einsum('bnqt,bntk->bnqk', jax.nn.softmax(jnp.einsum('bnqk,bntk->bnqt', q, k)), v)
 
-  splash = lambda q, k, v: models_vit.splash_attention(q, k, v, interpret=True)
+  splash = lambda q, k, v: vit.splash_attention(q, k, v, interpret=True)
   np.testing.assert_allclose(splash(q, k, v), softmax_attention(q, k, v), atol=1e-5)
   weighted = lambda attention: lambda *qkv: jnp.sum(attention(*qkv) * jnp.arange(16.0))
   for got, expected in zip(jax.grad(weighted(splash), argnums=(0, 1, 2))(q, k, v),
@@ -201,7 +200,7 @@ def test_fsdp_on_4_chips_keeps_a_quarter_of_params_and_optimiser_state_per_chip(
   mesh = tpu_mesh(config, 'v5e-4')
   model = train_setup.build_model(config, 10)
   # float32 params, and AdamW's two float32 moments of each.
-  total = models.count_params(model, config.pp.crop) * 4 * 3
+  total = registry.count_params(model, config.pp.crop) * 4 * 3
   assert plan.state_bytes(config, mesh, 10) == pytest.approx(total / 4, rel=0.1)
 
 

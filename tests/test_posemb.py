@@ -1,4 +1,4 @@
-"""Tests of the position-embedding kinds (vit_jax/positions.py, `posemb`): the model, the
+"""Tests of the position-embedding kinds (vit_jax/models/positions.py, `posemb`): the model, the
 checkpoint resizing and checks, and one training step of each, on tiny models."""
 import functools
 import math
@@ -10,17 +10,19 @@ import numpy as np
 import pytest
 
 from helpers import random_params
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import export
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import positions
 from vit_jax import sharding
-from vit_jax import train
-from vit_jax import train_step
-from vit_jax import validation
-from vit_jax import visualize
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.models import positions
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.tools import export
+from vit_jax.tools import visualize
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 pytestmark = pytest.mark.xdist_group('posemb')  # Its module fixtures are built once.
 
@@ -30,7 +32,7 @@ PATCH = 16  # The 'testing' model: patches 16, hidden 16, MLP 32, 2 heads (K = 8
 
 def tiny(posemb, **overrides):
   """The 'testing' model with `posemb`, two blocks and three classes."""
-  return models.get_model('testing', num_classes=3, posemb=posemb, num_layers=2, **overrides)
+  return registry.get_model('testing', num_classes=3, posemb=posemb, num_layers=2, **overrides)
 
 
 def init(model, image_size):
@@ -151,8 +153,8 @@ EXPECTED_PARAMS = {  # Position parameters of the 'testing' model (D 16, 2 heads
 @pytest.mark.parametrize('posemb', KINDS)
 def test_each_kind_has_its_parameters_and_logical_axes(posemb):
   model = tiny(posemb)
-  shapes = {k: v.shape for k, v in flat(models.param_shapes(model, 64)).items()}
-  without_positions = flat(models.param_shapes(tiny('none'), 64))
+  shapes = {k: v.shape for k, v in flat(registry.param_shapes(model, 64)).items()}
+  without_positions = flat(registry.param_shapes(tiny('none'), 64))
   added = {k: s for k, s in shapes.items() if k not in without_positions}
   assert added == EXPECTED_PARAMS[posemb]
   axes = sharding.param_axes(sharding.declared_params(model, 64))
@@ -168,7 +170,7 @@ def test_scanned_blocks_compute_what_unscanned_ones_do(posemb):
   params = init(model, 48)
   scanned = model.clone(scan_layers=True, remat_policy='nothing_saveable')
   x = images(48)
-  np.testing.assert_allclose(logits(scanned, checkpoint.scan_blocks(params), x),
+  np.testing.assert_allclose(logits(scanned, npz.scan_blocks(params), x),
                              logits(model, params, x), rtol=1e-5, atol=1e-6)
 
 
@@ -193,7 +195,7 @@ def test_relative_attention_takes_xla_where_cudnn_would_run():
   # bfloat16 heads of 8 fit cuDNN; on this CPU its kernel cannot run, so an output at all
   # shows that the bias took XLA's path.
   model = tiny('relative', attention='cudnn', dtype=jnp.bfloat16)
-  assert models_vit.cudnn_fits(model.dtype, model.hidden_size // model.num_heads)
+  assert vit.cudnn_fits(model.dtype, model.hidden_size // model.num_heads)
   assert np.isfinite(np.asarray(logits(model, init(model, 32), images(32)))).all()
 
 
@@ -206,7 +208,7 @@ def saved(tmp_path_factory):
     model = tiny(posemb)
     params = jax.tree.map(np.asarray, init(model, 64))
     path = str(folder / f'{posemb}.npz')
-    checkpoint.save(params, path, spec=models.model_spec(model, 'testing'))
+    npz.save(params, path, spec=registry.model_spec(model, 'testing'))
     files[posemb] = path, params
   return files
 
@@ -216,7 +218,7 @@ def test_resize_keeps_shapes_and_the_grid_corners(saved, posemb):
   path, params = saved[posemb]
   model = tiny(posemb)
   target = init(model, 112)  # 4x4 -> 7x7 patches.
-  loaded = checkpoint.load_pretrained(path, target, model, keep_head=True)
+  loaded = finetune.load_pretrained(path, target, model, keep_head=True)
   assert jax.tree.map(np.shape, loaded) == jax.tree.map(np.shape, target)
   old, new = flat(params), flat(loaded)
   for name, value in new.items():
@@ -231,18 +233,18 @@ def test_resize_keeps_shapes_and_the_grid_corners(saved, posemb):
       np.testing.assert_array_equal(value, old[name])
   if posemb in ('none', 'sincos_2d'):
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
-  scanned = checkpoint.load_pretrained(path, checkpoint.scan_blocks(target),
+  scanned = finetune.load_pretrained(path, npz.scan_blocks(target),
                                        model.clone(scan_layers=True), keep_head=True)
-  jax.tree.map(np.testing.assert_array_equal, checkpoint.unscan_blocks(scanned), loaded)
+  jax.tree.map(np.testing.assert_array_equal, npz.unscan_blocks(scanned), loaded)
 
 
 def test_a_2d_resize_is_the_2d_resize_of_the_composed_embeddings(saved):
   """Interpolating a row-only (column-only) function in 2-D is interpolating it along rows."""
   path, params = saved['learned_2d']
   model = tiny('learned_2d')
-  loaded = checkpoint.load_pretrained(path, init(model, 112), model)
+  loaded = finetune.load_pretrained(path, init(model, 112), model)
   composed = positions.patch_embeddings(params, 'learned_2d', (4, 4))
-  resized = checkpoint.resize_posemb(composed, (7, 7), has_class_token=False)
+  resized = finetune.resize_posemb(composed, (7, 7), has_class_token=False)
   np.testing.assert_allclose(positions.patch_embeddings(loaded, 'learned_2d', (7, 7)), resized,
                              rtol=1e-5, atol=1e-6)
 
@@ -251,8 +253,8 @@ def test_a_2d_resize_is_the_2d_resize_of_the_composed_embeddings(saved):
                                           ('sincos_2d', 'none'), ('none', 'learned_1d')])
 def test_a_checkpoint_of_another_kind_is_a_one_line_error(saved, found, wanted):
   model = tiny(wanted)
-  with pytest.raises(checkpoint.CheckpointError) as error:
-    checkpoint.load_pretrained(saved[found][0], init(model, 64), model)
+  with pytest.raises(npz.CheckpointError) as error:
+    finetune.load_pretrained(saved[found][0], init(model, 64), model)
   message = str(error.value)
   assert '\n' not in message
   assert f"posemb={found!r} but the model has posemb={wanted!r}" in message
@@ -261,33 +263,33 @@ def test_a_checkpoint_of_another_kind_is_a_one_line_error(saved, found, wanted):
 def test_without_a_spec_the_kind_is_told_by_the_parameters(saved, tmp_path):
   for posemb in ('relative', 'none'):
     path = str(tmp_path / f'{posemb}.npz')
-    checkpoint.save(saved[posemb][1], path)  # No spec, as the published files.
-    params, spec = checkpoint.load_with_spec(path)
+    npz.save(saved[posemb][1], path)  # No spec, as the published files.
+    params, spec = npz.load_with_spec(path)
     assert spec is None
-    assert checkpoint.file_posemb(params, spec) == (None if posemb == 'none' else posemb)
+    assert finetune.file_posemb(params, spec) == (None if posemb == 'none' else posemb)
   model = tiny('learned_1d')
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(npz.CheckpointError,
                      match=r"none\.npz has no position parameters \(posemb in \('none', "
                            r"'sincos_2d'\)\) but the model has posemb='learned_1d'"):
-    checkpoint.load_pretrained(str(tmp_path / 'none.npz'), init(model, 64), model)
+    finetune.load_pretrained(str(tmp_path / 'none.npz'), init(model, 64), model)
   sincos = tiny('sincos_2d')  # Parameter-free: nothing tells them apart without a spec.
-  checkpoint.load_pretrained(str(tmp_path / 'none.npz'), init(sincos, 64), sincos)
+  finetune.load_pretrained(str(tmp_path / 'none.npz'), init(sincos, 64), sincos)
 
 
 @pytest.mark.parametrize('posemb', ['learned_2d', 'relative', 'sincos_2d'])
 def test_saved_models_load_back_with_their_kind(saved, posemb):
   path, params = saved[posemb]
-  model, loaded = checkpoint.load_model(path)
+  model, loaded = runs.load_model(path)
   assert model.posemb == posemb
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
   if posemb != 'sincos_2d':  # The grid its parameters were made for.
-    assert checkpoint.native_image_size(loaded, model) == 64
+    assert runs.native_image_size(loaded, model) == 64
 
 
 def test_position_similarity_figures_skip_kinds_without_embeddings(saved, capsys):
   for posemb, drawn in (('learned_2d', True), ('sincos_2d', True), ('relative', False)):
     path, params = saved[posemb]
-    model, _ = checkpoint.load_model(path)
+    model, _ = runs.load_model(path)
     figures = visualize.model_figures(model, params, 64, np.zeros((1, 64, 64, 3)), posemb,
                                       ['position_similarity'])
     assert ('position_similarity' in figures) == drawn
@@ -305,13 +307,13 @@ def test_timm_and_hugging_face_exports_refuse_other_kinds():
 def test_config_posemb_builds_the_model_and_unknown_kinds_are_errors():
   config = defaults.get_config()
   config.posemb = 'relative'
-  assert train.build_model(config, num_classes=10).posemb == 'relative'
+  assert trainer.build_model(config, num_classes=10).posemb == 'relative'
   config.posemb = 'rope'
-  with pytest.raises(validation.ConfigError, match=r"config.posemb='rope' is not one of \("):
-    validation.validate_config(config, num_devices=1)
+  with pytest.raises(checks.ConfigError, match=r"config.posemb='rope' is not one of \("):
+    checks.validate_config(config, num_devices=1)
   with pytest.raises(ValueError, match=r"posemb='learned_2d' splits the hidden size into 2 "
                                        r'equal parts, but hidden_size=15'):
-    models.get_model('testing', num_classes=3, posemb='learned_2d', hidden_size=15,
+    registry.get_model('testing', num_classes=3, posemb='learned_2d', hidden_size=15,
                      num_heads=3).init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)
 
 

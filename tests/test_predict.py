@@ -7,10 +7,10 @@ import pytest
 
 from helpers import PHOTOS
 from helpers import random_params
-from vit_jax import checkpoint
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import predict
+from vit_jax.checkpoints import npz
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.tools import predict
 
 LABELS = ['ant', 'bee', 'cat', 'dog', 'eel']
 
@@ -18,8 +18,8 @@ LABELS = ['ant', 'bee', 'cat', 'dog', 'eel']
 @pytest.fixture(name='files')
 def fixture_files(tmp_path):
   """A checkpoint of the tiny 'testing' model (patch 16) at 32 px, 5 labels, a corrupt image."""
-  params = random_params(models.get_model('testing', num_classes=5), 32)
-  checkpoint.save(params, tmp_path / 'model.npz')
+  params = random_params(registry.get_model('testing', num_classes=5), 32)
+  npz.save(params, tmp_path / 'model.npz')
   (tmp_path / 'labels.txt').write_text('\n'.join(LABELS) + '\n')
   (tmp_path / 'corrupt.jpg').write_bytes(open(PHOTOS[0], 'rb').read()[:300])
   return params, str(tmp_path)
@@ -51,7 +51,7 @@ def test_prints_top_5_of_each_real_photo_and_reports_bad_files_by_name(files, ca
   results = parse_output(out)
   assert list(results) == PHOTOS
 
-  model = models.get_model('testing', num_classes=5)
+  model = registry.get_model('testing', num_classes=5)
   images = np.stack([predict.load_image(p, 32) for p in PHOTOS])
   expected = jax.jit(lambda x: jax.nn.softmax(model.apply({'params': params}, x, train=False)))(
       images)
@@ -74,10 +74,10 @@ def test_other_image_size_resizes_the_position_embeddings(files, capsys):
 
 def test_workdir_of_a_run_is_classified_by_its_saved_model(tmp_path, capsys):
   # As training saves it: a model of no registry name (7x7 patches of 28 px images), its spec.
-  model = models_vit.VisionTransformer(num_classes=3, patch_size=(7, 7), hidden_size=16,
+  model = vit.VisionTransformer(num_classes=3, patch_size=(7, 7), hidden_size=16,
                                        mlp_dim=32, num_heads=2, num_layers=1)
   params = random_params(model, 28)
-  checkpoint.save(params, tmp_path / 'model.npz', spec=models.model_spec(model, 'ViT-mini_7'))
+  npz.save(params, tmp_path / 'model.npz', spec=registry.model_spec(model, 'ViT-mini_7'))
   assert predict.main(['--checkpoint', str(tmp_path), PHOTOS[0]]) == 0
   out = capsys.readouterr().out
   assert out.startswith(f'{PHOTOS[0]} (28x28 px):\n')

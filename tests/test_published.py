@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from vit_jax import cache
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import models
-from vit_jax import published
-from vit_jax import registry
-from vit_jax import validation
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import published
+from vit_jax.checkpoints import runs
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.models import registry
 
 pytestmark = pytest.mark.xdist_group('published')  # Its module fixtures are built once.
 
@@ -38,7 +38,7 @@ def test_every_entry_names_a_registry_model_and_a_well_formed_address():
 
 
 def test_augreg_file_names_spell_the_model_and_resolution():
-  # The AugReg bucket names models as vit_jax's official configs/models.py does: 'ViT-B_16' is
+  # The AugReg bucket names models as vit_jax's official configs/registry.py does: 'ViT-B_16' is
   # 'B_16', 'R50+ViT-L_32' is 'R50_L_32'; fine-tuned files end in '-res_RES' and start with the
   # name of the file they were fine-tuned from.
   for entry in published.PUBLISHED.values():
@@ -75,7 +75,7 @@ def test_unknown_name_is_one_line_with_the_close_names():
 
 
 def test_list_prints_every_name_with_model_resolution_and_data(capsys):
-  assert checkpoint.main(['--list']) == 0
+  assert published.main(['--list']) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == len(published.PUBLISHED)
   b16 = next(line for line in lines if line.split()[0] == 'augreg:B/16-384')
@@ -88,18 +88,18 @@ def test_list_prints_every_name_with_model_resolution_and_data(capsys):
 def test_a_published_name_sets_the_model_of_a_config_without_a_registry_model():
   config = defaults.get_config()  # Its ViT-mini_7 is not a registry model.
   config.pretrained_path = 'augreg:S/16'
-  validation.use_published_model(config)
+  checks.use_published_model(config)
   assert config.model_name == 'ViT-S_16' and config.model.hidden_size == 384
 
 
 def test_a_published_name_of_another_registry_model_is_a_config_error():
   config = defaults.with_model(defaults.get_config(), 'ViT-L_16')
   config.pretrained_path = 'augreg:B/16'
-  with pytest.raises(validation.ConfigError, match='--config.model_name=ViT-B_16'):
-    validation.use_published_model(config)
+  with pytest.raises(checks.ConfigError, match='--config.model_name=ViT-B_16'):
+    checks.use_published_model(config)
   config.pretrained_path = 'augreg:B-16'
-  with pytest.raises(validation.ConfigError, match='augreg:B/16'):
-    validation.check_pretrained_path(config)
+  with pytest.raises(checks.ConfigError, match='augreg:B/16'):
+    checks.check_pretrained_path(config)
 
 
 # Downloads.
@@ -131,12 +131,12 @@ class _Bucket(http.server.SimpleHTTPRequestHandler):
 def bucket(tmp_path_factory):
   """(base URL, the params served as augreg:Ti/16 (a ViT-Ti_16 with 3 classes, no spec))."""
   root = tmp_path_factory.mktemp('bucket')
-  model = models.get_model('ViT-Ti_16', num_classes=3)
+  model = registry.get_model('ViT-Ti_16', num_classes=3)
   rng = np.random.default_rng(0)
   params = {k: rng.normal(size=s.shape).astype(np.float32) for k, s in
-            traverse_util.flatten_dict(models.param_shapes(model)).items()}
+            traverse_util.flatten_dict(registry.param_shapes(model)).items()}
   params = traverse_util.unflatten_dict(params)
-  checkpoint.save(params, os.path.join(root, published.lookup('augreg:Ti/16').path))
+  npz.save(params, os.path.join(root, published.lookup('augreg:Ti/16').path))
   shutil.copy(os.path.join(root, published.lookup('augreg:Ti/16').path),
               os.path.join(root, published.lookup('augreg:Ti/16-224').path))
   handler = functools.partial(_Bucket, directory=str(root))
@@ -157,7 +157,7 @@ def mirror(bucket, tmp_path, monkeypatch):
 
 
 def test_a_name_downloads_once_into_the_cache_and_loads_with_its_model(mirror, tmp_path):
-  model, params = checkpoint.load_model('augreg:Ti/16')
+  model, params = runs.load_model('augreg:Ti/16')
   assert (model.hidden_size, model.num_classes) == (192, 3)
   np.testing.assert_array_equal(params['head']['kernel'], mirror['head']['kernel'])
   path = published.lookup('augreg:Ti/16').path
@@ -203,7 +203,7 @@ def test_offline_is_one_line_naming_the_url_and_where_to_put_the_file(mirror, tm
 
 def test_a_file_placed_in_the_cache_by_hand_is_used_without_a_request(mirror, tmp_path):
   entry = published.lookup('augreg:Ti/16-224')
-  checkpoint.save(mirror, os.path.join(tmp_path, 'cache', entry.path))
+  npz.save(mirror, os.path.join(tmp_path, 'cache', entry.path))
   assert published.fetch('augreg:Ti/16-224') == str(tmp_path / 'cache' / entry.path)
   assert not _Bucket.requests
   record = (tmp_path / 'cache' / f'{entry.path}.sha256').read_text()

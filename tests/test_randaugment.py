@@ -5,10 +5,10 @@ from PIL import Image, ImageEnhance, ImageOps
 import pytest
 import tensorflow as tf
 
-from vit_jax import config as defaults
-from vit_jax import input_pipeline as ip
-from vit_jax import randaugment as ra
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.data import pipeline as ip
+from vit_jax.data import randaugment as ra
 
 RNG = np.random.RandomState(0)
 RGB = RNG.randint(0, 256, (12, 16, 3)).astype(np.uint8)  # Not square: catches swapped axes.
@@ -132,5 +132,5 @@ def test_pipeline_randaugment_is_fixed_by_seed_and_step_and_resumes_exactly():
 def test_bad_randaug_is_a_one_line_config_error(randaug):
   config = defaults.get_config()
   config.pp.randaug = randaug
-  error = validation.values_error(config)
+  error = checks.values_error(config)
   assert error.startswith('config.pp.randaug=') and '\n' not in error and '(2, 10)' in error

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 import tiny_tfds
-from vit_jax import train
+from vit_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, 'tests')
@@ -91,7 +91,7 @@ def test_tfds_dataset_prepares_and_trains_by_name(tmp_path):
   config.update(dict(dataset='tiny_fashion_mnist', tfds_data_dir=str(data_dir), test_split='test',
                      batch=8, batch_eval=8, total_steps=4, progress_every=2, eval_every=4,
                      checkpoint_every=4))
-  train.train_and_evaluate(config, str(workdir))
+  trainer.train_and_evaluate(config, str(workdir))
   # tfds reads back what the run prepared: the builder's splits, under the given data_dir.
   prepared = tfds.builder('tiny_fashion_mnist', data_dir=str(data_dir))
   assert prepared.is_prepared()

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from helpers import random_params
-from vit_jax import input_pipeline
-from vit_jax import models
-from vit_jax import registry
 from vit_jax import sharding
-from vit_jax import train
-from vit_jax import train_step
+from vit_jax.data import pipeline
+from vit_jax.models import registry
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 import tiny_config
 
 pytestmark = pytest.mark.xdist_group('sharding')  # Its cached training runs are made once.
@@ -31,8 +30,8 @@ def config_for(strategy, mesh_model=1):
 
 def specs_of(strategy, mesh_model=1):
   config = config_for(strategy, mesh_model)
-  mesh = train.make_mesh(config)
-  model = train.build_model(config, num_classes=10)
+  mesh = trainer.make_mesh(config)
+  model = trainer.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
   state = jax.eval_shape(
       lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
@@ -78,7 +77,7 @@ def test_fsdp_and_tensor_combine_on_a_2d_mesh():
 
 def test_unknown_strategy_is_a_clear_error():
   with pytest.raises(ValueError, match=r"config.sharding='zero3' is not one of \('data', 'fsdp'"):
-    sharding.state_shardings({}, {}, train.make_mesh(config_for('data')), 'zero3')
+    sharding.state_shardings({}, {}, trainer.make_mesh(config_for('data')), 'zero3')
 
 
 @functools.cache
@@ -86,13 +85,13 @@ def loss_curve_and_state(strategy, mesh_model=1, steps=3):
   """Losses of the first `steps` steps under `strategy` from the same random params (as a
   fine-tuning run starts: the jitted init then draws none), and the state after them."""
   config = config_for(strategy, mesh_model)
-  mesh = train.make_mesh(config)
-  model = train.build_model(config, num_classes=10)
+  mesh = trainer.make_mesh(config)
+  model = trainer.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
   params = random_params(model, 28, scale=0.05)
   state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 28, params)
   step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
-  batches = input_pipeline.get_train_iterator(config, mesh)
+  batches = pipeline.get_train_iterator(config, mesh)
   losses = []
   for _ in range(steps):
     state, metrics = step(state, next(batches))
@@ -119,7 +118,7 @@ def test_fsdp_holds_about_an_eighth_of_the_params_per_device():
 
 
 # Every registry model, and the variants that add or restack parameters.
-COVERED = [(name, {}) for name in models.MODEL_CONFIGS] + [
+COVERED = [(name, {}) for name in registry.MODEL_CONFIGS] + [
     ('ViT-B_16', {'scan_layers': True}), ('R26+ViT-S_32', {'scan_layers': True}),
     ('ViT-B_16', {'representation_size': 768})]
 
@@ -129,7 +128,7 @@ def test_every_parameter_of_every_model_is_split_by_rules(name, overrides):
   """FSDP splits every large tensor over 'data'; tensor parallelism every attention and MLP
   kernel over 'model'. A parameter without declared axes or rules fails in `param_axes` or
   `state_shardings`. Two blocks stand for all: the others repeat the second's parameters."""
-  model = models.get_model(name, num_classes=1000, **overrides)
+  model = registry.get_model(name, num_classes=1000, **overrides)
   model = model.clone(num_layers=min(model.num_layers, 2))
   size = model.patch_size[0] * model.stem_stride
   declared = sharding.declared_params(model, size)
@@ -185,8 +184,8 @@ def test_a_rule_in_the_config_takes_precedence():
   """('mlp', None) keeps the MLP's hidden dimension whole under `tensor`, heads still split."""
   config = config_for('tensor', mesh_model=2)
   config.logical_axis_rules = [('mlp', None)]
-  mesh = train.make_mesh(config)
-  model = train.build_model(config, num_classes=10)
+  mesh = trainer.make_mesh(config)
+  model = trainer.build_model(config, num_classes=10)
   declared = sharding.declared_params(model, 28)
   specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
       nn.meta.unbox(declared), sharding.param_axes(declared), mesh, 'tensor',
@@ -198,8 +197,8 @@ def test_a_rule_in_the_config_takes_precedence():
 
 def test_the_train_step_constrains_activations_between_blocks_and_nothing_else_does():
   config = config_for('tensor', mesh_model=2)
-  mesh = train.make_mesh(config)
-  model = train.build_model(config, num_classes=10)
+  mesh = trainer.make_mesh(config)
+  model = trainer.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
   state = jax.eval_shape(
       lambda: train_step.create_train_state(config, model, optimizer, mesh, 28)[0])
@@ -211,5 +210,5 @@ def test_the_train_step_constrains_activations_between_blocks_and_nothing_else_d
   text = step.lower(state, batch).as_text()
   # The encoder's input and each of its 2 blocks' outputs: batch over 'data', in the forward pass.
   assert text.count('sharding_constraint') >= 3
-  assert 'sharding_constraint' not in jax.jit(train.make_eval_step(model)).lower(
+  assert 'sharding_constraint' not in jax.jit(trainer.make_eval_step(model)).lower(
       state.params, dict(batch, mask=batch['label'])).as_text()

@@ -1,4 +1,4 @@
-"""Tests of stochastic depth (vit_jax/models_vit.py): per-example drops of the residual branches."""
+"""Tests of stochastic depth (vit_jax/models/vit.py): per-example drops of the residual branches."""
 import functools
 import json
 
@@ -9,12 +9,11 @@ import pytest
 
 import helpers
 import tiny_config as tiny_config_file
-from vit_jax import checkpoint
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import registry
-from vit_jax import train
-from vit_jax import validation
+from vit_jax.checkpoints import npz
+from vit_jax.config import checks
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.training import trainer
 
 # 4x4 images in 4x4 patches: one patch and the class token, so that big batches stay cheap.
 TINY = dict(num_classes=3, patch_size=(4, 4), hidden_size=8, mlp_dim=16, num_heads=2,
@@ -22,7 +21,7 @@ TINY = dict(num_classes=3, patch_size=(4, 4), hidden_size=8, mlp_dim=16, num_hea
 
 
 def tiny_vit(**overrides):
-  return models_vit.VisionTransformer(**{**TINY, **overrides})
+  return vit.VisionTransformer(**{**TINY, **overrides})
 
 
 def images(batch, seed=0):
@@ -55,28 +54,28 @@ def without_blocks(params, keep=0):
 
 
 def test_linear_rates_rise_from_zero_at_the_first_block_to_the_rate_at_the_last():
-  np.testing.assert_allclose(models_vit.stochastic_depth_rates(0.3, 4, 'linear'),
+  np.testing.assert_allclose(vit.stochastic_depth_rates(0.3, 4, 'linear'),
                              [0.0, 0.1, 0.2, 0.3])
-  assert models_vit.stochastic_depth_rates(0.2, 3, 'uniform') == (0.2, 0.2, 0.2)
-  assert models_vit.stochastic_depth_rates(0.2, 1, 'linear') == (0.2,)  # First and last.
+  assert vit.stochastic_depth_rates(0.2, 3, 'uniform') == (0.2, 0.2, 0.2)
+  assert vit.stochastic_depth_rates(0.2, 1, 'linear') == (0.2,)  # First and last.
 
 
 def test_drop_path_zeroes_a_fraction_rate_of_the_examples_and_keeps_the_expected_value():
   branch = jnp.ones((20_000, 3, 2))
-  dropped = np.asarray(models_vit.drop_path(branch, 0.3, jax.random.key(0)))
+  dropped = np.asarray(vit.drop_path(branch, 0.3, jax.random.key(0)))
   per_example = dropped.reshape(len(dropped), -1)
   assert np.all(per_example == per_example[:, :1])  # Whole examples, not elements.
   zeroed = per_example[:, 0] == 0
   assert abs(zeroed.mean() - 0.3) < 0.02
   np.testing.assert_allclose(per_example[~zeroed], 1 / 0.7, rtol=1e-6)
   assert abs(dropped.mean() - 1.0) < 0.03  # The expected residual scale is 1.
-  np.testing.assert_array_equal(models_vit.drop_path(branch, 0.0, jax.random.key(0)), branch)
+  np.testing.assert_array_equal(vit.drop_path(branch, 0.0, jax.random.key(0)), branch)
 
 
 def test_drop_path_at_rate_1_gives_zeros_and_finite_gradients():
   branch = jnp.ones((4, 3))
-  assert not np.asarray(models_vit.drop_path(branch, 1.0, jax.random.key(0))).any()
-  grads = jax.grad(lambda b: models_vit.drop_path(b, 1.0, jax.random.key(0)).sum())(branch)
+  assert not np.asarray(vit.drop_path(branch, 1.0, jax.random.key(0))).any()
+  grads = jax.grad(lambda b: vit.drop_path(b, 1.0, jax.random.key(0)).sum())(branch)
   np.testing.assert_array_equal(grads, 0.0)
 
 
@@ -88,7 +87,7 @@ def test_rate_1_on_every_block_makes_the_blocks_the_identity_in_training_only(sc
   # The reference: the same model without blocks (position embeddings and final LayerNorm).
   no_blocks = features(model.clone(num_layers=0), without_blocks(params), x, train=False)
   run = model.clone(scan_layers=scan)
-  run_params = checkpoint.scan_blocks(params) if scan else params
+  run_params = npz.scan_blocks(params) if scan else params
   np.testing.assert_allclose(features(run, run_params, x, train=True), no_blocks, atol=1e-6)
   at_eval = features(run, run_params, x, train=False)
   np.testing.assert_allclose(at_eval, features(model.clone(stochastic_depth=0.0), params, x,
@@ -103,7 +102,7 @@ def test_linear_rates_keep_the_first_block_and_drop_the_last_at_rate_1(scan):
   x = images(8)
   first_block_only = features(tiny_vit(num_layers=1), without_blocks(params, keep=1), x,
                               train=False)
-  run_params = checkpoint.scan_blocks(params) if scan else params
+  run_params = npz.scan_blocks(params) if scan else params
   np.testing.assert_allclose(features(model, run_params, x, train=True), first_block_only,
                              atol=1e-5)
 
@@ -120,7 +119,7 @@ def test_each_example_drops_both_branches_of_a_block_with_probability_rate_squar
 
 def test_scanned_and_rematerialised_blocks_give_the_same_loss_and_gradients():
   model = tiny_vit(num_layers=3, stochastic_depth=0.5, dropout_rate=0.1, scan_layers=True)
-  params = checkpoint.scan_blocks(random_params(model.clone(scan_layers=False)))
+  params = npz.scan_blocks(random_params(model.clone(scan_layers=False)))
   x = images(16)
 
   def loss_and_grads(run):
@@ -148,14 +147,14 @@ def test_dropout_still_applies_alongside_stochastic_depth_and_both_are_off_at_ev
 
 def test_stochastic_depth_adds_no_params_and_travels_in_the_model_spec():
   plain, dropped = tiny_vit(), tiny_vit(stochastic_depth=0.1, stochastic_depth_schedule='uniform')
-  shapes = lambda m: jax.tree.map(lambda s: s.shape, models.param_shapes(m, image_size=4))
+  shapes = lambda m: jax.tree.map(lambda s: s.shape, registry.param_shapes(m, image_size=4))
   assert shapes(plain) == shapes(dropped)
-  spec = models.model_spec(dropped, 'tiny')
+  spec = registry.model_spec(dropped, 'tiny')
   assert spec['model']['stochastic_depth'] == 0.1
-  assert models.model_from_spec(spec) == dropped
-  older = {'name': 'tiny', 'model': {k: v for k, v in models.model_spec(plain)['model'].items()
+  assert registry.model_from_spec(spec) == dropped
+  older = {'name': 'tiny', 'model': {k: v for k, v in registry.model_spec(plain)['model'].items()
                                      if not k.startswith('stochastic_depth')}}
-  assert models.model_from_spec(older).stochastic_depth == 0.0
+  assert registry.model_from_spec(older).stochastic_depth == 0.0
 
 
 @pytest.mark.parametrize('fields, message', [
@@ -171,21 +170,21 @@ def test_bad_stochastic_depth_is_one_line_naming_the_field(fields, message):
 def test_a_bad_rate_in_the_config_is_a_config_error_naming_its_field():
   config = tiny_config_file.get_config()
   config.model.transformer.stochastic_depth = -0.1
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(checks.ConfigError,
                      match=r'^config.model.transformer.stochastic_depth=-0.1 '):
-    validation.validate_config(config, jax.device_count())
+    checks.validate_config(config, jax.device_count())
 
 
 def test_a_run_saved_before_stochastic_depth_resumes_without_it(tmp_path):
   config = tiny_config_file.get_config()
-  train.write_config(config, str(tmp_path))
+  trainer.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('stochastic_depth', 'stochastic_depth_schedule'):
     del saved['model']['transformer'][field]  # As an older version wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert train.resume_mismatches(config, str(tmp_path)) == []
+  assert trainer.resume_mismatches(config, str(tmp_path)) == []
   config.model.transformer.stochastic_depth = 0.1
-  assert train.resume_mismatches(config, str(tmp_path)) == [
+  assert trainer.resume_mismatches(config, str(tmp_path)) == [
       'model.transformer.stochastic_depth (saved 0.0, now 0.1)']
 
 
@@ -196,6 +195,6 @@ def test_the_registry_holds_the_one_default_of_each_transformer_field(monkeypatc
   config = registry.vit('tiny', patch=4, hidden=8, mlp=16, heads=2, layers=2)
   assert config.transformer.stochastic_depth_schedule == 'uniform'
   del config.transformer['stochastic_depth_schedule']
-  assert models.model_kwargs(config)['stochastic_depth_schedule'] == 'uniform'
-  assert train.added_field_defaults()['model.transformer.stochastic_depth_schedule'] == 'uniform'
-  assert train.added_field_defaults()['posemb'] == 'learned_1d'
+  assert registry.model_kwargs(config)['stochastic_depth_schedule'] == 'uniform'
+  assert trainer.added_field_defaults()['model.transformer.stochastic_depth_schedule'] == 'uniform'
+  assert trainer.added_field_defaults()['posemb'] == 'learned_1d'

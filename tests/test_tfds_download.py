@@ -16,7 +16,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from helpers import xla_flags
-from vit_jax import input_pipeline_sources as sources
+from vit_jax.data import sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

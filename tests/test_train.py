@@ -1,4 +1,4 @@
-"""Tests of the training loop, vit_jax/train.py, on the embedded Fashion-MNIST."""
+"""Tests of the training loop, vit_jax/training/trainer.py, on the embedded Fashion-MNIST."""
 import json
 import os
 import re
@@ -12,16 +12,17 @@ import pytest
 from helpers import random_params
 from helpers import read_scalars
 from helpers import tiny_config
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import fewshot
-from vit_jax import input_pipeline
-from vit_jax import models
-from vit_jax import registry
-from vit_jax import train
-from vit_jax import train_step
-from vit_jax import validation
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
+from vit_jax.config import checks
+from vit_jax.config import defaults
+from vit_jax.data import pipeline
 from vit_jax.evaluators import classification
+from vit_jax.tools import fewshot as fewshot_command
+from vit_jax.models import registry
+from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 
 def test_short_run_learns(trained_run):
@@ -38,7 +39,7 @@ def test_a_short_run_with_every_augmentation_and_regulariser_still_learns(tmp_pa
   config.mixup.p = 0.2
   config.model.transformer.stochastic_depth = 0.1
   config.model.transformer.dropout_rate = 0.1
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  metrics = trainer.train_and_evaluate(config, str(tmp_path))
   losses = read_scalars(tmp_path)['train_loss']
   assert losses[60] < losses[20] < np.log(10)  # Chance-level loss is log(10).
   assert metrics['test_accuracy'] > 0.3 and metrics['test_accuracy_ema'] > 0.3  # Chance: 0.1.
@@ -62,29 +63,29 @@ def test_run_writes_checkpoints_and_published_npz(trained_run):
   workdir, _ = trained_run
   steps = sorted(os.listdir(os.path.join(workdir, 'checkpoints')))
   assert steps == ['40', '60']  # keep_checkpoints = 2
-  params = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  params = npz.load(os.path.join(workdir, 'model.npz'))
   assert params['head']['kernel'].shape == (32, 10)
 
 
 def test_model_npz_carries_the_spec_of_the_trained_model(trained_run):
   workdir, _ = trained_run
-  model, _ = checkpoint.load_model(workdir)  # No model name: tests/tiny_config.py's model.
+  model, _ = runs.load_model(workdir)  # No model name: tests/tiny_config.py's model.
   assert (model.patch_size, model.hidden_size, model.mlp_dim, model.num_heads,
           model.num_layers, model.num_classes) == ((7, 7), 32, 64, 2, 1, 10)
-  assert checkpoint.read_spec(os.path.join(workdir, 'model.npz'))['name'] == 'tiny'
+  assert npz.read_spec(os.path.join(workdir, 'model.npz'))['name'] == 'tiny'
 
 
 def test_top5_accuracy():
   # A real model whose head ignores the image: zero kernel, bias ranking class 0 first, 9 last.
   config = tiny_config()
-  model = train.build_model(config, num_classes=10)
+  model = trainer.build_model(config, num_classes=10)
   params = random_params(model, config.pp.crop)
   params['head'] = {'kernel': np.zeros_like(params['head']['kernel']),
                     'bias': np.arange(10, 0, -1, dtype=np.float32)}
   # Labels 0 (rank 1), 3 and 4 (ranks 4, 5), 5 and 9 (ranks 6, 10); the last example is padding.
   batch = {'image': np.random.default_rng(0).uniform(-1, 1, (6, 28, 28, 3)).astype(np.float32),
            'label': np.array([0, 3, 4, 5, 9, 0]), 'mask': np.array([1, 1, 1, 1, 1, 0])}
-  sums = jax.jit(train.make_eval_step(model))(params, batch)
+  sums = jax.jit(trainer.make_eval_step(model))(params, batch)
   assert (sums['correct'], sums['correct_top5'], sums['count']) == (1, 3, 5)
 
 
@@ -94,7 +95,7 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
   config.fewshot.update(datasets=('fashion_mnist_embedded',), shots=(1, 5), every=30,
                         num_test=500)
   with caplog.at_level('INFO'):
-    metrics = train.train_and_evaluate(config, str(tmp_path))
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
   # The old fields still work, with one line saying what to write instead (test_evaluators).
   assert caplog.text.count('Deprecated: config.val_split, config.val_every, config.fewshot.') == 1
   scalars = read_scalars(str(tmp_path))
@@ -110,8 +111,8 @@ def test_val_split_and_few_shot_are_evaluated_on_their_own_cadences(tmp_path, ca
   assert re.search(r'step 60: few-shot linear accuracy fashion_mnist_embedded_1shot [\d.]+, '
                    r'fashion_mnist_embedded_5shot [\d.]+ \([\d.]+ s\)', caplog.text)
   # The command, on the model.npz of the run, with the same shots, seed and test images.
-  out = tmp_path / 'fewshot.json'
-  assert fewshot.main(['--checkpoint', str(tmp_path), '--shots', '5', '--seeds', '1',
+  out = tmp_path / 'linear_probe.json'
+  assert fewshot_command.main(['--checkpoint', str(tmp_path), '--shots', '5', '--seeds', '1',
                        '--test_split', 'test[:500]', '--batch', '1000', '--out', str(out)]) == 0
   command = json.loads(out.read_text())['5']['mean']
   # Not exact: the command's program (its own mesh) rounds the features differently, and one
@@ -129,7 +130,7 @@ def test_only_the_default_run_evaluates_few_shot():
 
 
 def one_step_state(config, mesh):
-  model = train.build_model(config, num_classes=10)
+  model = trainer.build_model(config, num_classes=10)
   optimizer = train_step.make_optimizer(config)
   state, shardings = train_step.create_train_state(config, model, optimizer, mesh, config.pp.crop)
   step = jax.jit(train_step.make_train_step(model, optimizer, config))
@@ -143,8 +144,8 @@ SGD = dict(optimizer='sgd', base_lr=0.1, warmup_steps=0)
 
 def test_gradient_accumulation_equals_the_full_batch():
   config = tiny_config(**SGD)
-  mesh = train.make_mesh(config)
-  batch = next(input_pipeline.get_train_iterator(config, mesh))
+  mesh = trainer.make_mesh(config)
+  batch = next(pipeline.get_train_iterator(config, mesh))
   results = []
   for accum_steps in (1, 2):
     config.accum_steps = accum_steps
@@ -158,9 +159,9 @@ def test_gradient_accumulation_equals_the_full_batch():
 
 def loss_curve(config, devices=None, steps=3):
   """The training losses of the first `steps` steps on `devices` (all by default)."""
-  mesh = train.make_mesh(config, devices)
+  mesh = trainer.make_mesh(config, devices)
   state, step = one_step_state(config, mesh)
-  batches = input_pipeline.get_train_iterator(config, mesh)
+  batches = pipeline.get_train_iterator(config, mesh)
   losses = []
   for _ in range(steps):
     state, metrics = step(state, next(batches))
@@ -189,38 +190,38 @@ def test_pretrained_keep_head_starts_from_the_trained_head(trained_run, given):
   workdir, _ = trained_run
   path = os.path.join(workdir, 'model.npz') if given == 'model.npz' else workdir
   config = tiny_config(pretrained_path=path, pretrained_keep_head=True)
-  validation.validate_config(config, 8)
+  checks.validate_config(config, 8)
   config.pp.crop = 56
-  params = train.load_pretrained_params(config, train.build_model(config, num_classes=10))
-  trained = checkpoint.load(os.path.join(workdir, 'model.npz'))
+  params = trainer.load_pretrained_params(config, trainer.build_model(config, num_classes=10))
+  trained = npz.load(os.path.join(workdir, 'model.npz'))
   np.testing.assert_array_equal(params['head']['kernel'], trained['head']['kernel'])
 
 
 def npz_without_spec(trained_run, tmp_path) -> str:
   """The trained run's params saved again without a model spec, as the published files are."""
   path = str(tmp_path / 'converted.npz')
-  checkpoint.save(checkpoint.load(os.path.join(trained_run[0], 'model.npz')), path)
+  npz.save(npz.load(os.path.join(trained_run[0], 'model.npz')), path)
   return path
 
 
 def test_fine_tune_keeps_the_exact_gelu_of_the_pretrained_spec(trained_run, tmp_path):
-  params = checkpoint.load(os.path.join(trained_run[0], 'model.npz'))
+  params = npz.load(os.path.join(trained_run[0], 'model.npz'))
   converted = str(tmp_path / 'converted.npz')  # As vit_jax.convert writes it: exact GELU.
-  exact = train.build_model(tiny_config(), num_classes=10).clone(approximate_gelu=False)
-  checkpoint.save(params, converted, spec=models.model_spec(exact, 'tiny'))
+  exact = trainer.build_model(tiny_config(), num_classes=10).clone(approximate_gelu=False)
+  npz.save(params, converted, spec=registry.model_spec(exact, 'tiny'))
   config = tiny_config(pretrained_path=converted)
-  assert not train.build_model(config, num_classes=10).approximate_gelu
+  assert not trainer.build_model(config, num_classes=10).approximate_gelu
 
 
 def test_fine_tune_from_npz_at_another_resolution_reads_deprecated_overrides_into_the_spec(
     trained_run, tmp_path):
   converted = npz_without_spec(trained_run, tmp_path)  # As the published files are.
-  checkpoint.save_model_overrides({'approximate_gelu': False}, converted)  # Older converters.
+  finetune.save_model_overrides({'approximate_gelu': False}, converted)  # Older converters.
   config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
                        pretrained_path=converted)
   config.pp.crop = 56
-  metrics = train.train_and_evaluate(config, str(tmp_path / 'run'))
-  model, params = checkpoint.load_model(tmp_path / 'run')
+  metrics = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+  model, params = runs.load_model(tmp_path / 'run')
   assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 8 * 8 + 1, 32)
   assert metrics['test_accuracy'] > 0.15  # Chance is 0.1.
   assert not model.approximate_gelu  # The override, now in the spec of the run's model.npz.
@@ -229,20 +230,20 @@ def test_fine_tune_from_npz_at_another_resolution_reads_deprecated_overrides_int
 def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
   converted = npz_without_spec(trained_run, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')
-  with pytest.raises(validation.ConfigError, match=r'converted.overrides.json is not a '
+  with pytest.raises(checks.ConfigError, match=r'converted.overrides.json is not a '
                                                    r'model-overrides record'):
-    train.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
+    trainer.train_and_evaluate(tiny_config(pretrained_path=converted), str(tmp_path / 'run'))
 
 
 def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
   config = tiny_config(model_name='ViT-Ti_16')
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(checks.ConfigError,
                      match='crop=28 is not divisible by the patch size 16x16'):
-    validation.validate_config(config, num_devices=1)
+    checks.validate_config(config, num_devices=1)
   assert config.model.hidden_size == 192  # ViT-Ti (Table 1 of the DeiT paper).
-  with pytest.raises(validation.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
+  with pytest.raises(checks.ConfigError, match=r"^Unknown model config.model_name='ViT-Z_1' "
                                                    r"\(config.model is 'tiny'\). Known models: "):
-    train.train_and_evaluate(tiny_config(model_name='ViT-Z_1'), str(tmp_path))
+    trainer.train_and_evaluate(tiny_config(model_name='ViT-Z_1'), str(tmp_path))
 
 
 @pytest.mark.parametrize('overrides, fitting', [
@@ -254,7 +255,7 @@ def test_model_name_set_on_a_config_sets_its_model_or_is_rejected(tmp_path):
 ])
 def test_device_counts_that_fit_a_config(overrides, fitting):
   config = tiny_config(**overrides)
-  assert [n for n in range(1, 9) if validation.fits_devices(config, n)] == fitting
+  assert [n for n in range(1, 9) if checks.fits_devices(config, n)] == fitting
 
 
 @pytest.mark.parametrize('overrides,message', [
@@ -273,8 +274,8 @@ def test_device_counts_that_fit_a_config(overrides, fitting):
      r'neither'),
 ])
 def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
-  with pytest.raises(validation.ConfigError, match=message) as error:
-    train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+  with pytest.raises(checks.ConfigError, match=message) as error:
+    trainer.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert '\n' not in str(error.value)
 
 
@@ -298,22 +299,23 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
      r'config.batch_eval=100 is not divisible by 8 data-parallel devices'),
 ])
 def test_bad_value_fails_validation_before_anything_compiles(overrides, message):
-  with pytest.raises(validation.ConfigError, match=message) as error:
-    validation.validate_config(tiny_config(**overrides), 8)
+  with pytest.raises(checks.ConfigError, match=message) as error:
+    checks.validate_config(tiny_config(**overrides), 8)
   assert '\n' not in str(error.value)
-  assert not validation.fits_devices(tiny_config(**overrides), 8)
+  assert not checks.fits_devices(tiny_config(**overrides), 8)
 
 
 def test_pretrained_folder_without_model_npz_is_a_config_error(tmp_path):
-  with pytest.raises(validation.ConfigError, match=r'is a folder without a model.npz'):
-    validation.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
+  with pytest.raises(checks.ConfigError, match=r'is a folder without a model.npz'):
+    checks.validate_config(tiny_config(pretrained_path=str(tmp_path)), 8)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_only_finite_checkpoints(tmp_path):
   config = tiny_config(optimizer='sgd', base_lr=1e12, warmup_steps=3, checkpoint_every=1,
                        progress_every=1, keep_checkpoints=100)
-  with pytest.raises(train.NonFiniteError, match=r'Non-finite loss or gradient at step (\d+)') as e:
-    train.train_and_evaluate(config, str(tmp_path))
+  with pytest.raises(trainer.NonFiniteError,
+                     match=r'Non-finite loss or gradient at step (\d+)') as e:
+    trainer.train_and_evaluate(config, str(tmp_path))
   bad_step = int(re.search(r'step (\d+)', str(e.value)).group(1))
   # The checkpoint the non-finite step started from is set aside, not resumed from.
   assert os.listdir(tmp_path / 'diverged_checkpoints') == [str(bad_step - 1)]
@@ -327,31 +329,31 @@ def test_non_finite_loss_stops_the_run_and_keeps_only_finite_checkpoints(tmp_pat
 def test_crop_not_divisible_by_patch_is_a_config_error(tmp_path):
   config = tiny_config()
   config.pp.crop = 30
-  with pytest.raises(validation.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
+  with pytest.raises(checks.ConfigError, match=r'config.pp.crop=30 is not divisible by the '
                                                    r'patch size 7x7 of tiny: use e.g. 28'):
-    train.train_and_evaluate(config, str(tmp_path))
+    trainer.train_and_evaluate(config, str(tmp_path))
 
 
 def test_pretrained_file_of_another_architecture_is_a_config_error(trained_run, tmp_path):
   workdir, _ = trained_run
   config = tiny_config(pretrained_path=os.path.join(workdir, 'model.npz'))
   config.model = registry.vit('tiny', patch=7, hidden=48, mlp=64, heads=2, layers=1)
-  with pytest.raises(validation.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
+  with pytest.raises(checks.ConfigError, match=r'does not fit tiny: .*\(32,\).*\(48,\)|'
                                                    r'does not fit tiny: .*\(48,\).*\(32,\)'):
-    train.train_and_evaluate(config, str(tmp_path))
+    trainer.train_and_evaluate(config, str(tmp_path))
 
 
 def test_unknown_model_in_the_config_lists_the_known_ones(tmp_path):
   from configs import vit
   assert vit.get_config('b16,cifar10').model.hidden_size == 768
-  with pytest.raises(validation.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
+  with pytest.raises(checks.ConfigError, match=r"Unknown model config.model_name='ViT-Z_1'. "
                                                    r"Known models: ViT-Ti_16, .*R50\+ViT-L_32"):
-    train.train_and_evaluate(vit.get_config('ViT-Z_1,fashion_mnist_embedded'), str(tmp_path))
+    trainer.train_and_evaluate(vit.get_config('ViT-Z_1,fashion_mnist_embedded'), str(tmp_path))
 
 
 def test_unknown_dataset_is_a_config_error(tmp_path):
-  with pytest.raises(validation.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
-    train.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))
+  with pytest.raises(checks.ConfigError, match=r"config.dataset='no_such_dataset' is neither "):
+    trainer.train_and_evaluate(tiny_config(dataset='no_such_dataset'), str(tmp_path))
 
 
 def copy_of_run(trained_run, tmp_path) -> str:
@@ -368,7 +370,7 @@ def checkpoint_steps(workdir) -> list[int]:
 def test_keep_checkpoints_0_keeps_every_checkpoint(tmp_path):
   config = tiny_config(total_steps=4, checkpoint_every=2, eval_every=4, progress_every=2,
                        keep_checkpoints=0)
-  train.train_and_evaluate(config, str(tmp_path))
+  trainer.train_and_evaluate(config, str(tmp_path))
   assert checkpoint_steps(tmp_path) == [2, 4]
 
 
@@ -379,7 +381,7 @@ def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeyp
   monkeypatch.setattr(classification, 'evaluate', unreadable_test_split)
   config = tiny_config(total_steps=4, checkpoint_every=2, eval_every=2, progress_every=2)
   with pytest.raises(OSError, match='the test split cannot be read'):
-    train.train_and_evaluate(config, str(tmp_path))
+    trainer.train_and_evaluate(config, str(tmp_path))
   assert checkpoint_steps(tmp_path) == [2]
 
 
@@ -389,8 +391,8 @@ def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_js
   saved_config = open(os.path.join(workdir, 'config.json')).read()
   config = tiny_config(batch=32)
   config.model.transformer.num_layers = 2
-  with pytest.raises(validation.ConfigError) as error:
-    train.train_and_evaluate(config, workdir)
+  with pytest.raises(checks.ConfigError) as error:
+    trainer.train_and_evaluate(config, workdir)
   message = str(error.value)
   assert '\n' not in message
   assert 'batch (saved 64, now 32), model.transformer.num_layers (saved 1, now 2)' in message
@@ -406,26 +408,26 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tm
       os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
   os.remove(os.path.join(workdir, 'model.npz'))
   with caplog.at_level('WARNING'):
-    train.train_and_evaluate(tiny_config(), workdir)
+    trainer.train_and_evaluate(tiny_config(), workdir)
   assert 'Skipped checkpoint 60' in caplog.text
   assert os.listdir(os.path.join(workdir, 'damaged_checkpoints')) == ['60']
   assert checkpoint_steps(workdir) == [40, 60]
   # Resumed from step 40, the run ends where the uninterrupted one did.
-  jax.tree.map(np.testing.assert_array_equal, checkpoint.load(os.path.join(workdir, 'model.npz')),
-               checkpoint.load(os.path.join(trained_run[0], 'model.npz')))
+  jax.tree.map(np.testing.assert_array_equal, npz.load(os.path.join(workdir, 'model.npz')),
+               npz.load(os.path.join(trained_run[0], 'model.npz')))
 
 
 def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained_run,
                                                                         tmp_path):
   workdir = copy_of_run(trained_run, tmp_path)
-  metrics = train.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
+  metrics = trainer.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
   assert metrics['test_accuracy'] == trained_run[1]['test_accuracy']
   assert checkpoint_steps(workdir) == [60]
 
 
 def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
   before = signal.getsignal(signal.SIGINT)  # Python's, or pytest-xdist's worker's SIG_IGN.
-  watcher = train.PreemptionWatcher()
+  watcher = trainer.PreemptionWatcher()
   try:
     assert not watcher.reached(1)
     os.kill(os.getpid(), signal.SIGINT)
@@ -439,13 +441,13 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
 
 def test_a_run_saved_before_posemb_and_objective_resumes_and_changing_them_is_named(tmp_path):
   config = tiny_config()
-  train.write_config(config, str(tmp_path))
+  trainer.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('posemb', 'objective', 'mpp'):
     del saved[field]  # As an older version wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert train.resume_mismatches(config, str(tmp_path)) == []
+  assert trainer.resume_mismatches(config, str(tmp_path)) == []
   config.posemb, config.objective = 'sincos_2d', 'masked_patch_prediction'
-  assert train.resume_mismatches(config, str(tmp_path)) == [
+  assert trainer.resume_mismatches(config, str(tmp_path)) == [
       "objective (saved 'supervised', now 'masked_patch_prediction')",
       "posemb (saved 'learned_1d', now 'sincos_2d')"]

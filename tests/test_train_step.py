@@ -1,4 +1,4 @@
-"""Tests of the update step, vit_jax/train_step.py, on a tiny model and random images."""
+"""Tests of the update step, vit_jax/training/step.py, on a tiny model and random images."""
 import os
 import subprocess
 import sys
@@ -9,9 +9,9 @@ from jax.sharding import Mesh
 import numpy as np
 import pytest
 
-from vit_jax import config as defaults
-from vit_jax import models
-from vit_jax import train_step
+from vit_jax.config import defaults
+from vit_jax.models import registry
+from vit_jax.training import step as train_step
 
 pytestmark = pytest.mark.xdist_group('train_step')  # Its module fixtures are built once.
 
@@ -21,7 +21,7 @@ def setup():
   """(config, model, optimizer, mesh, batch) of the 'testing' model at 16 px on one device."""
   config = defaults.with_model(defaults.training_defaults(), 'testing')
   config.update(dict(batch=4, optimizer='adamw', base_lr=0.1, warmup_steps=4, total_steps=10))
-  model = models.get_model('testing', num_classes=10)
+  model = registry.get_model('testing', num_classes=10)
   mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
   batch = {'image': jax.random.uniform(jax.random.key(0), (4, 16, 16, 3), minval=-1, maxval=1),
            'label': jnp.arange(4)}
@@ -43,7 +43,7 @@ def test_logged_learning_rate_follows_the_warmup(setup):
 
 def test_given_params_start_the_state(setup):
   config, model, optimizer, mesh, _ = setup
-  params = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), models.param_shapes(model, 16))
+  params = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), registry.param_shapes(model, 16))
   state, _ = train_step.create_train_state(config, model, optimizer, mesh, 16, params)
   jax.tree.map(lambda x: np.testing.assert_array_equal(x, 0.5), state.params)
   fresh, _ = train_step.create_train_state(config, model, optimizer, mesh, 16)
@@ -67,9 +67,9 @@ def test_bfloat16_vit_b16_training_step_lowers_for_gpu_with_cudnn_attention_both
   # Deviceless: lowered for CUDA on whatever host runs the test; skipped without cuDNN.
   config = defaults.with_model(defaults.training_defaults(), 'ViT-B_16')
   config.update(dict(batch=2, optimizer='adamw'))
-  model = models.get_model('ViT-B_16', num_classes=1000, dtype=jnp.bfloat16, attention='cudnn')
+  model = registry.get_model('ViT-B_16', num_classes=1000, dtype=jnp.bfloat16, attention='cudnn')
   optimizer = train_step.make_optimizer(config)
-  params = models.param_shapes(model.clone(attention='xla'))  # Same tree; traced without cuDNN.
+  params = registry.param_shapes(model.clone(attention='xla'))  # Same tree; traced without cuDNN.
   state = train_step.TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
       opt_state=jax.eval_shape(optimizer.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))

@@ -9,9 +9,9 @@ import pytest
 
 from helpers import random_params
 from helpers import tiny_config
-from vit_jax import checkpoint
-from vit_jax import models
-from vit_jax import visualize
+from vit_jax.checkpoints import npz
+from vit_jax.models import registry
+from vit_jax.tools import visualize
 
 MODEL_FIGURES = ['attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
                  'mean_attention_distance', 'embedding_filters']
@@ -28,7 +28,7 @@ TINY_HYBRID_GAP = {
 
 def save_random_checkpoint(model, image_size, path):
   """Random parameters of the model at `image_size`, saved in the published .npz layout."""
-  checkpoint.save(random_params(model, image_size, scale=0.3), path)
+  npz.save(random_params(model, image_size, scale=0.3), path)
 
 
 def write_images(folder):
@@ -62,7 +62,7 @@ def written_paths(capsys, argv):
 
 def test_npz_checkpoint_writes_every_model_figure(tmp_path, capsys):
   npz = str(tmp_path / 'testing.npz')
-  save_random_checkpoint(models.get_model('testing', num_classes=3), 64, npz)
+  save_random_checkpoint(registry.get_model('testing', num_classes=3), 64, npz)
   output = tmp_path / 'figures'
   paths, errors = written_paths(capsys, ['--checkpoint', npz, '--model', 'testing', '--output',
                                          str(output), '--images'] + write_images(tmp_path))
@@ -74,7 +74,7 @@ def test_npz_checkpoint_writes_every_model_figure(tmp_path, capsys):
 
 @pytest.mark.parametrize('image_size', [28, 56])
 def test_titles_fit_maps_cover_images_and_grey_filters_are_grey(image_size):
-  model = models.get_model(tiny_config().model, num_classes=10)
+  model = registry.get_model(tiny_config().model, num_classes=10)
   params = random_params(model, image_size)
   name = '20261130-211425-c4l97bb5'  # A timestamped workdir's name.
   figures = visualize.model_figures(model, params, image_size,
@@ -104,7 +104,7 @@ def test_older_workdir_builds_its_model_from_config_and_draws_training_curves(tm
   from clu import metric_writers  # It imports TensorFlow.
   workdir = tmp_path / 'workdir'
   workdir.mkdir()
-  model = models.get_model(ml_collections.ConfigDict(TINY_HYBRID_GAP), num_classes=10)
+  model = registry.get_model(ml_collections.ConfigDict(TINY_HYBRID_GAP), num_classes=10)
   save_random_checkpoint(model, 32, str(workdir / 'model.npz'))
   (workdir / 'config.json').write_text(json.dumps({'model': TINY_HYBRID_GAP, 'pp': {'crop': 32}}))
   writer = metric_writers.create_default_writer(str(workdir))
@@ -153,7 +153,7 @@ def test_missing_checkpoint_is_named(tmp_path, capsys):
 
 def test_npz_without_spec_or_model_name_is_a_clear_error(tmp_path, capsys):
   npz = str(tmp_path / 'x.npz')
-  save_random_checkpoint(models.get_model('testing', num_classes=3), 32, npz)
+  save_random_checkpoint(registry.get_model('testing', num_classes=3), 32, npz)
   assert error_of(capsys, ['--checkpoint', npz, '--output', str(tmp_path)]).startswith(
       f'error: {npz} holds no model spec (a published file, or one written before vit_jax saved '
       'specs): name its model with --model NAME (one of ViT-Ti_16')
@@ -161,7 +161,7 @@ def test_npz_without_spec_or_model_name_is_a_clear_error(tmp_path, capsys):
 
 def test_checkpoint_of_another_model_names_the_mismatched_parameters(tmp_path, capsys):
   npz = str(tmp_path / 'testing.npz')
-  save_random_checkpoint(models.get_model('testing', num_classes=3), 32, npz)
+  save_random_checkpoint(registry.get_model('testing', num_classes=3), 32, npz)
   error = error_of(capsys, ['--checkpoint', npz, '--model', 'ViT-Ti_16', '--output', str(tmp_path)])
   assert f'{npz} does not fit the model' in error
   assert 'Transformer/encoder_norm/bias is (16,) in the file but (192,) in the model' in error
@@ -169,7 +169,7 @@ def test_checkpoint_of_another_model_names_the_mismatched_parameters(tmp_path, c
 
 def test_missing_image_file_is_a_clear_error(tmp_path, capsys):
   npz = str(tmp_path / 'testing.npz')
-  save_random_checkpoint(models.get_model('testing', num_classes=3), 32, npz)
+  save_random_checkpoint(registry.get_model('testing', num_classes=3), 32, npz)
   missing = str(tmp_path / 'nope.jpg')
   error = error_of(capsys, ['--checkpoint', npz, '--model', 'testing', '--output', str(tmp_path),
                             '--images', missing])

@@ -3,8 +3,8 @@
 Importable by the tests, and usable on the command line:
 `python -m vit_jax.main --config=tests/tiny_config.py --workdir=DIR`.
 """
-from vit_jax import config as defaults
-from vit_jax import registry
+from vit_jax.config import defaults
+from vit_jax.models import registry
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """Trains or fine-tunes a ViT: `python -m vit_jax.main [--config=FILE[:ARG]] [--workdir=DIR]`.
 
 Without `--config`, trains the default small ViT on the embedded Fashion-MNIST (the package's
-vit_jax/config.py, the same as `--config=configs/default.py`). Every config field can be
+vit_jax/config/defaults.py, the same as `--config=configs/default.py`). Every config field can be
 overridden: `--config.base_lr=0.01`; `--help` lists the fields of the config with their values
 and meanings.
 """
@@ -24,12 +24,12 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
-from vit_jax import config as default_config
 from vit_jax import console
 from vit_jax import gone_process
 from vit_jax import hardware
 from vit_jax import heartbeats
-from vit_jax import validation
+from vit_jax.config import checks
+from vit_jax.config import defaults as default_config
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
 # Flags that ask for help: absl's (which would exit with status 1), and -h.
@@ -193,7 +193,7 @@ def config_help(config: ml_collections.ConfigDict) -> str:
   """The fields of `config`, one a line: `--config.FIELD=VALUE  meaning`."""
   lines = ['Config fields, with the values of this config (set one with --config.FIELD=VALUE):']
   for field, meaning in default_config.FIELD_HELP.items():
-    value = validation.field_at(config, field)
+    value = checks.field_at(config, field)
     lines.append(f'  {f"--config.{field}={value!r}":<36} {meaning}')
   return '\n'.join(lines)
 
@@ -272,7 +272,7 @@ def main(argv):
   console.setup(log_all)
   config = flags.FLAGS.config
   if not initialize_distributed():  # One process: on a CPU host, one device per core.
-    hardware.use_one_device_per_core(functools.partial(validation.fits_devices, config))
+    hardware.use_one_device_per_core(functools.partial(checks.fits_devices, config))
   if jax.process_count() > 1:
     if not flags.FLAGS.workdir:
       sys.exit('--workdir is required with several processes: they must share one folder.')
@@ -285,24 +285,24 @@ def main(argv):
                                                    overridden_dataset(config, sys.argv))
   logging.info('Workdir: %s', os.path.abspath(workdir))
   try:  # Before TensorFlow is imported: a bad value is reported in seconds.
-    validation.validate_config(config, jax.device_count())
-  except validation.ConfigError as e:
+    checks.validate_config(config, jax.device_count())
+  except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
-  from vit_jax import input_pipeline_sources
-  from vit_jax import train  # It imports TensorFlow.
-  from vit_jax import train_checkpoints
+  from vit_jax.data import sources
+  from vit_jax.training import state_checkpoints
+  from vit_jax.training import trainer  # It imports TensorFlow.
   peers = (heartbeats.PeerWatch(functools.partial(exit_for_gone_process, workdir)).start()
            if jax.process_count() > 1 else None)
   try:
-    metrics = train.train_and_evaluate(config, workdir)
-  except validation.ConfigError as e:
+    metrics = trainer.train_and_evaluate(config, workdir)
+  except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
-  except input_pipeline_sources.DataError as e:  # A training image that does not decode.
+  except sources.DataError as e:  # A training image that does not decode.
     sys.exit(f'Data error: {e}')
-  except train.NonFiniteError as e:
+  except trainer.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')
-  except train_checkpoints.CheckpointSaveError as e:
+  except state_checkpoints.CheckpointSaveError as e:
     sys.exit(f'Checkpoint error: {e}')
   except KeyboardInterrupt:
     sys.exit(f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '

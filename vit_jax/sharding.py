@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from vit_jax import model_init
+from vit_jax.models import blank
 
 STRATEGIES = ('data', 'fsdp', 'tensor', 'fsdp+tensor')
 FSDP_MIN_SIZE = 2**14
@@ -80,7 +80,7 @@ def declared_params(model: nn.Module, image_size: int):
   was made with `with_axes` in an `nn.LogicallyPartitioned` box holding its logical names."""
   token = _DECLARING.set(True)
   try:
-    return model_init.param_shapes(model, image_size)
+    return blank.param_shapes(model, image_size)
   finally:
     _DECLARING.reset(token)
 

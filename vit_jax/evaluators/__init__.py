@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import ml_collections
 
-from vit_jax import validation
+from vit_jax.config import checks
 from vit_jax.evaluators import classification
 from vit_jax.evaluators import fewshot
 from vit_jax.evaluators import mpp
@@ -90,7 +90,7 @@ def deprecated(config: ml_collections.ConfigDict) -> dict[str, tuple[str, Any]]:
   old = {'val_split': 'val.split', 'val_every': 'val.every',
          **{f'fewshot.{field}': f'fewshot.{field}' for field in config.fewshot}}
   return {name: (field, value) for name, field in old.items()
-          if (value := validation.field_at(config, name)) is not None
+          if (value := checks.field_at(config, name)) is not None
           and (name != 'val_every' or config.val_split)}
 
 

@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 import ml_collections
 
 from vit_jax import hardware
-from vit_jax import train_setup
 from vit_jax.errors import ConfigError
+from vit_jax.training import setup as train_setup
 
 # The input pipeline (it imports TensorFlow) is imported where it is used: vit_jax.validation
 # imports this package to check config.evals before TensorFlow loads.
@@ -32,9 +32,9 @@ def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[
   as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
   {name}_loss of train_setup.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
   mpp.make_eval_step."""
-  from vit_jax import input_pipeline
+  from vit_jax.data import pipeline
   totals, pacer = None, hardware.Pacer()
-  for batch in input_pipeline.get_eval_iterator(config, mesh):
+  for batch in pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
     totals = pacer.step(sums if totals is None else added(totals, sums))
   totals = jax.device_get(totals)
@@ -73,10 +73,10 @@ class ClassificationEvaluator:
     self.name, self.mesh = name, mesh
     self.every = entry.get('every') or config.eval_every
     self.data = data_config(entry, config)
-    from vit_jax import input_pipeline
+    from vit_jax.data import pipeline
     if (self.data.dataset, self.data.test_split) != (config.dataset, config.test_split):
       try:  # The run's own test split was checked with its training data.
-        input_pipeline.get_dataset_info(self.data)
+        pipeline.get_dataset_info(self.data)
       except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f'config.evals.{name}.split={entry.split!r}: {e}') from None
     self.eval_step = jax.jit(self.make_eval_step(model, config))

@@ -11,9 +11,9 @@ import os
 from jax.sharding import Mesh
 import ml_collections
 
-from vit_jax import config as defaults
-from vit_jax import fewshot as solver
+from vit_jax.config import defaults
 from vit_jax.errors import ConfigError
+from vit_jax.evaluators import linear_probe as solver
 
 # The input pipeline (it imports TensorFlow) is imported where it is used: vit_jax.validation
 # imports this package to check config.evals before TensorFlow loads.
@@ -29,10 +29,10 @@ def first_images(config: ml_collections.ConfigDict, split: str, count: int | Non
   """The split string of the first `count` images of `split` of config.dataset (all of them
   where it has fewer); `split` itself for `count` None, or where it holds a slice of its own
   ('train[:1000]': split strings cannot slice a slice)."""
-  from vit_jax import input_pipeline
+  from vit_jax.data import pipeline
   if not count or '[' in split:
     return split
-  return f'{split}[:{min(count, input_pipeline.num_examples(config, split))}]'
+  return f'{split}[:{min(count, pipeline.num_examples(config, split))}]'
 
 
 def dataset_config(entry: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
@@ -53,12 +53,12 @@ def plan(name: str, entry: ml_collections.ConfigDict,
   dataset that lacks images for some, and for each of fewer than 2 classes (left out).
   Raises ConfigError, naming the dataset, where a dataset or split does not exist or a test
   image does not decode."""
-  from vit_jax import input_pipeline
+  from vit_jax.data import pipeline
   shots_of = {}
   for dataset in datasets(entry, config):
     try:
       data = dataset_config(entry, config, dataset)
-      input_pipeline.get_dataset_info(data)
+      pipeline.get_dataset_info(data)
       sizes = solver.class_sizes(data, data.train_split)
     except (ValueError, FileNotFoundError) as e:
       raise ConfigError(f'config.evals.{name}.datasets, {dataset!r}: {e}') from None

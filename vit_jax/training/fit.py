@@ -15,11 +15,11 @@ import jax
 from jax.sharding import Mesh
 import ml_collections
 
-from vit_jax import train_setup
-from vit_jax import train_step
+from vit_jax.config.checks import data_parallel_size
 from vit_jax.console import readable_bytes
 from vit_jax.errors import ConfigError
-from vit_jax.validation import data_parallel_size
+from vit_jax.training import setup as train_setup
+from vit_jax.training import step as train_step
 
 # A compiler that runs out of memory says so in an error with this status.
 OUT_OF_MEMORY = 'RESOURCE_EXHAUSTED'

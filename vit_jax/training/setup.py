@@ -11,13 +11,14 @@ from jax.sharding import Mesh
 import ml_collections
 import numpy as np
 
-from vit_jax import checkpoint
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import mpp
-from vit_jax.train_step import Batch, cross_entropy
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import npz
+from vit_jax.config.checks import data_parallel_size, mesh_error, pretrained_file
 from vit_jax.errors import ConfigError
-from vit_jax.validation import data_parallel_size, mesh_error, pretrained_file
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.tasks import mpp
+from vit_jax.training.step import Batch, cross_entropy
 
 # Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
 # compute without changing their shapes. The others are the config's to choose (classes,
@@ -63,11 +64,11 @@ def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
   if not config.pretrained_path:
     return {}
   try:
-    spec = checkpoint.read_spec(pretrained_file(config))
+    spec = npz.read_spec(pretrained_file(config))
     if spec is None:
-      return checkpoint.load_model_overrides(pretrained_file(config))
+      return finetune.load_model_overrides(pretrained_file(config))
     return {f: spec['model'][f] for f in PRETRAINED_FIELDS if f in spec.get('model', {})}
-  except (checkpoint.CheckpointError, FileNotFoundError) as e:
+  except (npz.CheckpointError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
 
 
@@ -76,11 +77,11 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int, devices=Non
   settings (`auto` resolved for `devices`, by default jax.devices()) and the PRETRAINED_FIELDS
   of the pretrained checkpoint; an mpp.MaskedPatchViT under the masked-patch-prediction
   objective."""
-  model = models.get_model(config.model, num_classes=num_classes, **{
+  model = registry.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
       'posemb': config.posemb,
-      'attention': models_vit.resolve_attention(config.attention, devices or jax.devices())})
+      'attention': vit.resolve_attention(config.attention, devices or jax.devices())})
   if config.objective == 'masked_patch_prediction':
     return mpp.with_mpp(model, config.mpp.target)
   return model

@@ -15,16 +15,15 @@ import jax
 import ml_collections
 import numpy as np
 
-from vit_jax import checkpoint
-from vit_jax import config as defaults
-from vit_jax import models
-from vit_jax import models_vit
-from vit_jax import mpp
-from vit_jax import positions
-from vit_jax import published
-from vit_jax import registry
 from vit_jax import sharding
+from vit_jax.checkpoints import published
+from vit_jax.checkpoints import runs
+from vit_jax.config import defaults
 from vit_jax.errors import ConfigError  # Re-exported: callers catch validation.ConfigError.
+from vit_jax.models import positions
+from vit_jax.models import registry
+from vit_jax.models import vit
+from vit_jax.tasks import mpp
 
 
 def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> int:
@@ -145,8 +144,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
-                         ('remat_policy', (None,) + models_vit.REMAT_POLICIES),
-                         ('attention', ('auto',) + models_vit.ATTENTION_KERNELS),
+                         ('remat_policy', (None,) + vit.REMAT_POLICIES),
+                         ('attention', ('auto',) + vit.ATTENTION_KERNELS),
                          ('posemb', positions.POSEMB_KINDS)):
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
@@ -170,10 +169,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(error)
   from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
   evaluators.migrate(config)
-  if error := models_vit.attention_error(config.attention, platform or jax.default_backend()):
+  if error := vit.attention_error(config.attention, platform or jax.default_backend()):
     raise ConfigError(f'config.{error}')
-  model = models.get_model(config.model, num_classes=1)
-  if error := models_vit.stochastic_depth_error(model.stochastic_depth,
+  model = registry.get_model(config.model, num_classes=1)
+  if error := vit.stochastic_depth_error(model.stochastic_depth,
                                                 model.stochastic_depth_schedule):
     raise ConfigError(f'config.model.transformer.{error}')
   step = np.array(model.patch_pixels)
@@ -185,10 +184,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
 
 
 def pretrained_file(config: ml_collections.ConfigDict) -> str:
-  """The checkpoint file of `config.pretrained_path` (`checkpoint.model_path`): the path itself,
+  """The checkpoint file of `config.pretrained_path` (`runs.model_path`): the path itself,
   FOLDER/model.npz for a folder (a training workdir), or a published name's cached download."""
   try:
-    return checkpoint.model_path(config.pretrained_path)
+    return runs.model_path(config.pretrained_path)
   except published.PublishedError as e:
     raise ConfigError(f'config.pretrained_path: {e}') from None
 
@@ -220,7 +219,7 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
     except published.PublishedError as e:
       raise ConfigError(f'config.pretrained_path: {e}') from None
     return
-  if unfinished := checkpoint.unfinished_run(path):
+  if unfinished := runs.unfinished_run(path):
     raise ConfigError(f'config.pretrained_path: {unfinished}')
   if os.path.isdir(path) and not os.path.isfile(pretrained_file(config)):
     raise ConfigError(f'config.pretrained_path={path!r} is a folder without a model.npz: give '

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax import checkpoint
+from vit_jax.checkpoints import npz
 
 TIMM = 'timm'
 HUGGING_FACE = 'Hugging Face'
@@ -32,7 +32,7 @@ HUGGING_FACE_TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh')
 def _check_heads(size: int, num_heads: int, what: str = 'Hidden size') -> int:
   """`num_heads`, or a CheckpointError unless `size` features of `what` split into them."""
   if size % num_heads:
-    raise checkpoint.CheckpointError(
+    raise npz.CheckpointError(
         f'{what} {size} is not divisible by num_heads={num_heads}: the weights are not of a '
         f'model with {num_heads} heads.')
   return num_heads
@@ -81,7 +81,7 @@ class Tensor:
     """Our parameters, by path, from the torch tensor."""
     if tensor.shape[0] % len(self.paths):
       module, kind = self.key.rsplit('.', 1)
-      raise checkpoint.CheckpointError(
+      raise npz.CheckpointError(
           f'A fused {module} {kind} has {tensor.shape[0]} outputs, which do not split into query, '
           'key and value: the file is damaged or holds another architecture.')
     parts = np.split(tensor, len(self.paths))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from vit_jax import models_vit
+from vit_jax.models import vit
 from vit_jax.sharding import with_axes
 
 OBJECTIVES = ('supervised', 'masked_patch_prediction')
@@ -106,7 +106,7 @@ def target_outputs(target: str, patch_pixels: tuple[int, int]) -> int:
   return patch_pixels[0] * patch_pixels[1] * 3
 
 
-class MaskedPatchViT(models_vit.VisionTransformer):
+class MaskedPatchViT(vit.VisionTransformer):
   """A VisionTransformer whose `init` also declares the parameters of masked patch prediction,
   `mpp_mask_embedding` (D,) and `mpp_head` (D -> `mpp_outputs`), beside the usual ones (the
   head included, so that the params keep the published layout)."""
@@ -124,9 +124,9 @@ class MaskedPatchViT(models_vit.VisionTransformer):
     return {**variables, 'params': {**variables['params'], **extras}}
 
 
-def with_mpp(model: models_vit.VisionTransformer, target: str) -> MaskedPatchViT:
+def with_mpp(model: vit.VisionTransformer, target: str) -> MaskedPatchViT:
   """`model` as a MaskedPatchViT predicting `target`."""
-  fields = {f: getattr(model, f) for f in models_vit.VisionTransformer.__dataclass_fields__
+  fields = {f: getattr(model, f) for f in vit.VisionTransformer.__dataclass_fields__
             if f not in ('parent', 'name')}
   return MaskedPatchViT(**fields, mpp_outputs=target_outputs(target, model.patch_pixels))
 

@@ -24,7 +24,7 @@ read) and yields exactly what an uninterrupted run yields from step `n` on.
 
 Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-style random crop
 (5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
-(`pp.flip`), then applies RandAugment where `pp.randaug` is set (vit_jax/randaugment.py, keyed
+(`pp.flip`), then applies RandAugment where `pp.randaug` is set (vit_jax/data/randaugment.py, keyed
 like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
 to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels
 int32 class indices (the loss takes them as they are, or one-hot via
@@ -40,8 +40,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import tensorflow as tf
 
-from vit_jax import input_pipeline_sources as sources
-from vit_jax import randaugment
+from vit_jax.data import randaugment
+from vit_jax.data import sources
 
 EMBEDDED_DATASET = sources.EMBEDDED_DATASET
 INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.

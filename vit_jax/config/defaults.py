@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from vit_jax import registry
+from vit_jax.models import registry
 
 # In config.fewshot.datasets: the run's own dataset, config.dataset, whatever it is set to.
 OWN_DATASET = 'config.dataset'
@@ -81,7 +81,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.ema_decay = 0.0  # 0: off.
 
   # Objective: 'supervised' (labels) or 'masked_patch_prediction' (self-supervised pre-training
-  # of the paper's Section 4.6, vit_jax/mpp.py; labels unused).
+  # of the paper's Section 4.6, vit_jax/tasks/mpp.py; labels unused).
   config.objective = 'supervised'
   config.mpp = ml_collections.ConfigDict({
       'corruption_rate': 0.5,
@@ -248,7 +248,7 @@ FIELD_HELP = {
                          'images.',
     'pp.area_min': 'Inception crop: the smallest fraction of the image area kept.',
     'pp.randaug': 'Training: RandAugment (num_layers, magnitude), e.g. (2, 10), magnitude 10 '
-                  'the usual largest (vit_jax/randaugment.py); None: off.',
+                  'the usual largest (vit_jax/data/randaugment.py); None: off.',
     'model_name': 'Registry model (vit_jax.registry.MODEL_CONFIGS) that fills config.model; '
                   'override its fields as --config.model.hidden_size=...',
     'dtype': "Computation dtype, 'float32' or 'bfloat16'; params stay float32.",
@@ -283,7 +283,7 @@ FIELD_HELP = {
     'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
                  'too (*_ema), written as model.npz (raw: model_raw.npz); 0: off.',
     'objective': "'supervised' (labels), or 'masked_patch_prediction' (self-supervised "
-                 'pre-training, vit_jax/mpp.py; labels unused).',
+                 'pre-training, vit_jax/tasks/mpp.py; labels unused).',
     'mpp.corruption_rate': "Masked patch prediction: share of each image's patches corrupted "
                            'and predicted.',
     'mpp.mask_random_keep': 'Masked patch prediction: shares of the corrupted patches replaced '

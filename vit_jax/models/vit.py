@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from vit_jax import models_resnet
-from vit_jax import positions
+from vit_jax.models import positions
+from vit_jax.models import resnet
 from vit_jax.sharding import with_axes
 
 Dtype = Any
@@ -497,7 +497,7 @@ class VisionTransformer(nn.Module):
   @property
   def stem_stride(self) -> int:
     """Input pixels per position of the map that is cut into patches (1 without a stem)."""
-    return 1 if self.resnet_layers is None else models_resnet.stem_stride(self.resnet_layers)
+    return 1 if self.resnet_layers is None else resnet.stem_stride(self.resnet_layers)
 
   @property
   def patch_pixels(self) -> tuple[int, int]:
@@ -538,7 +538,7 @@ class VisionTransformer(nn.Module):
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
-      x = models_resnet.resnet_stem(x, self.resnet_layers, self.resnet_width_factor, self.dtype)
+      x = resnet.resnet_stem(x, self.resnet_layers, self.resnet_width_factor, self.dtype)
     x = PatchEmbedding(hidden_size=self.hidden_size, patch_size=self.patch_size, dtype=self.dtype,
                        name='embedding')(x)
     b, h, w, d = x.shape

@@ -26,6 +26,7 @@ Sources of the table (file names as published, none derived):
   vision_transformer_hybrid.py, pretrained configs: the AugReg files fine-tuned at 224 px, listed
   here only where they start from the recommended pre-trained file, and the imagenet21k ViT-H_14.
 """
+import argparse
 import dataclasses
 import difflib
 import hashlib
@@ -39,6 +40,7 @@ import urllib.request
 
 import tqdm
 
+from vit_jax import console
 from vit_jax.cache import cache_dir
 
 BUCKET = 'gs://vit_models'
@@ -244,3 +246,18 @@ def listing() -> list[str]:
   width = max(len(name) for name in PUBLISHED)
   return [f'{c.name:<{width}}  {c.model:<13} {c.resolution:>4}px  {c.dataset:<24}  {c.gs_url}'
           for c in PUBLISHED.values()]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """`python -m vit_jax.checkpoint --list`: prints the published names (`vit_jax.published`)."""
+  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser.add_argument('--list', action='store_true', required=True,
+                      help='print each published name with its model, resolution, training '
+                      'data and file')
+  parser.parse_args(argv)
+  print('\n'.join(listing()))
+  return 0
+
+
+if __name__ == '__main__':
+  console.run(main)

@@ -21,29 +21,31 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 import ml_collections
 
-from vit_jax import checkpoint
-from vit_jax import config as defaults
 from vit_jax import evaluators
-from vit_jax import fit
 from vit_jax import hardware
-from vit_jax import input_pipeline
-from vit_jax import model_init
-from vit_jax import models
-from vit_jax import registry
-from vit_jax import summaries
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
+from vit_jax.config import defaults
+from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
+from vit_jax.models import blank
+from vit_jax.models import flops
+from vit_jax.models import registry
+from vit_jax.training import fit
+from vit_jax.training import summaries
 # The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
 # state in vit_jax.train_checkpoints.
-from vit_jax.train_checkpoints import Checkpoints, CheckpointSaveError
-from vit_jax.train_step import TrainState, create_train_state
-from vit_jax.train_step import make_optimizer
+from vit_jax.training.state_checkpoints import Checkpoints, CheckpointSaveError
+from vit_jax.training.step import make_optimizer
+from vit_jax.training.step import TrainState, create_train_state
 # The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
 # vit_jax.plan to compile the same step.
-from vit_jax.train_setup import build_model, make_mesh
-from vit_jax.train_setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
+from vit_jax.training.setup import build_model, make_mesh
+from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 # The evaluation of a split lives in vit_jax.evaluators.classification.
 from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
-from vit_jax.validation import pretrained_file, validate_config
+from vit_jax.config.checks import pretrained_file, validate_config
 
 
 class NonFiniteError(RuntimeError):
@@ -59,7 +61,7 @@ class NonFiniteError(RuntimeError):
 
 def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
-  return jax.jit(lambda rng: model_init.init_params(model, rng, image_size))(
+  return jax.jit(lambda rng: blank.init_params(model, rng, image_size))(
       jax.random.PRNGKey(config.seed))
 
 
@@ -106,24 +108,24 @@ def added_field_defaults() -> dict[str, Any]:
 def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
   """The fields fixing the checkpoints' shapes or data order that differ between
   `WORKDIR/config.json` and `config`, as 'field (saved X, now Y)'; [] without a config.json.
-  A ConfigError where config.json does not read (`checkpoint.read_run_config`)."""
+  A ConfigError where config.json does not read (`runs.read_run_config`)."""
   try:
-    saved = checkpoint.read_run_config(workdir)
-  except checkpoint.CheckpointError as e:
+    saved = runs.read_run_config(workdir)
+  except npz.CheckpointError as e:
     raise ConfigError(str(e)) from None
   if saved is None:
     return []
   added = added_field_defaults()
   saved = {**added, **_flatten(saved)}
   now = {**added, **_flatten(json.loads(config.to_json_best_effort()))}
-  fields = STATE_FIELDS + input_pipeline.ORDER_FIELDS
+  fields = STATE_FIELDS + pipeline.ORDER_FIELDS
   return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
           for key in sorted(saved.keys() | now.keys())
           if any(key == f or key.startswith(f + '.') for f in fields)
           and saved.get(key) != now.get(key)]
 
 
-# What a run writes through WORKDIR/NAME.tmp files (`write_config`, `checkpoint.save`).
+# What a run writes through WORKDIR/NAME.tmp files (`write_config`, `npz.save`).
 WRITTEN_THROUGH_TMP = ('config.json', 'model.npz', 'model_raw.npz')
 
 
@@ -145,7 +147,7 @@ def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardings: TrainState,
-                     mesh: Mesh) -> tuple[TrainState, input_pipeline.TrainIterator]:
+                     mesh: Mesh) -> tuple[TrainState, pipeline.TrainIterator]:
   """(state, training batches) from the newest intact checkpoint, or from `state` at step 0."""
   if checkpoints.latest_step() is not None:
     if mismatches := resume_mismatches(config, checkpoints.workdir):
@@ -155,10 +157,10 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
           'with another --workdir.')
   restored = checkpoints.restore(state, shardings)
   if restored is None:
-    return state, input_pipeline.get_train_iterator(config, mesh)
+    return state, pipeline.get_train_iterator(config, mesh)
   state, data_state = restored
   try:
-    train_iter = input_pipeline.restore_train_iterator(config, mesh, data_state)
+    train_iter = pipeline.restore_train_iterator(config, mesh, data_state)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   logging.info('Resuming from step %d of %s.', int(state.step), checkpoints.directory)
@@ -175,14 +177,14 @@ def data_errors(prefix: str):
     raise ConfigError(f'{prefix}{e}') from None
 
 
-def check_data(config: ml_collections.ConfigDict, prefix: str) -> input_pipeline.DatasetInfo:
+def check_data(config: ml_collections.ConfigDict, prefix: str) -> pipeline.DatasetInfo:
   """The dataset info of `config`; raises ConfigError, its message after `prefix`, where the
   dataset or a split does not exist or a test image does not decode."""
   with data_errors(prefix):
-    return input_pipeline.get_dataset_info(config)
+    return pipeline.get_dataset_info(config)
 
 
-def check_classes(config: ml_collections.ConfigDict, info: input_pipeline.DatasetInfo) -> None:
+def check_classes(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> None:
   """Raises ConfigError where a supervised run's dataset has fewer than 2 classes: a classifier
   of one class scores every image right and learns nothing."""
   if config.objective == 'supervised' and info.num_classes < 2:
@@ -197,7 +199,7 @@ def check_classes(config: ml_collections.ConfigDict, info: input_pipeline.Datase
 SHOWN_CLASS_NAMES = 5  # Class names the dataset line shows; '...' for the rest.
 
 
-def dataset_line(config: ml_collections.ConfigDict, info: input_pipeline.DatasetInfo) -> str:
+def dataset_line(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> str:
   """'Dataset NAME: N train images (SPLIT), M test images (SPLIT), K classes (a, b, ...).'"""
   names = ', '.join(info.label_names[:SHOWN_CLASS_NAMES])
   more = ', ...' if info.num_classes > SHOWN_CLASS_NAMES else ''
@@ -213,7 +215,7 @@ SMALL_DATA_CONFIG = 'configs/scratch_small.py'
 
 
 def warn_of_repetition(config: ml_collections.ConfigDict,
-                       info: input_pipeline.DatasetInfo) -> None:
+                       info: pipeline.DatasetInfo) -> None:
   """Logs a warning where a run from scratch sees each training image more than MAX_PASSES
   times, naming SMALL_DATA_CONFIG. Fine-tuning is left alone: the paper fine-tunes for hundreds
   of passes over small datasets."""
@@ -291,7 +293,7 @@ def export_after_failed_save(state: TrainState, model, config, workdir: str,
     export(state, model, config, workdir, label_names)
   except CheckpointSaveError as e:
     return f'{e} Free some space and run the same command again.'
-  return (f'The final params are in {os.path.join(workdir, checkpoint.WORKDIR_MODEL)}; free some '
+  return (f'The final params are in {os.path.join(workdir, runs.WORKDIR_MODEL)}; free some '
           'space and run the same command again for the final checkpoint.')
 
 
@@ -304,18 +306,18 @@ def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir:
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
-  spec = {**models.model_spec(model, config.model_name), 'label_names': list(label_names)}
+  spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names)}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
       path = os.path.join(workdir, name)
       try:
-        checkpoint.save(params, path, spec=spec)
+        npz.save(params, path, spec=spec)
       except OSError as e:  # A full disk: one line, and no partial file (save removes it).
         raise CheckpointSaveError(
             f'Writing the final {what} to {path} failed ({e.strerror or e}); '
-            f'{checkpoint.free_space(path)} free there.', int(state.step)) from None
+            f'{npz.free_space(path)} free there.', int(state.step)) from None
       logging.info('Wrote the final %s to %s.', what, os.path.join(workdir, name))
 
 
@@ -346,11 +348,11 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   if int(state.step) == 0:
     writer.write_hparams(flatten_config(config))
-  flops_per_image = 3 * models.gflops_per_image(model, config.pp.crop) * 1e9
+  flops_per_image = 3 * flops.gflops_per_image(model, config.pp.crop) * 1e9
   peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
   peak_flops *= jax.process_count()
   logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
-               config.model_name, f'{models.count_params(model, config.pp.crop):,}',
+               config.model_name, f'{registry.count_params(model, config.pp.crop):,}',
                flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
   preemption = PreemptionWatcher()
   try:
@@ -603,7 +605,7 @@ def load_pretrained_params(config, model):
   """Pretrained params from `config.pretrained_path`, fitted to `model` at `config.pp.crop`."""
   fresh = init_params(config, model, config.pp.crop)
   try:
-    return checkpoint.load_pretrained(pretrained_file(config), jax.device_get(fresh),
+    return finetune.load_pretrained(pretrained_file(config), jax.device_get(fresh),
                                       model, posemb_method=config.posemb_method,
                                       keep_head=config.pretrained_keep_head)
   except (ValueError, KeyError) as e:

@@ -13,9 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import optax
 
-from vit_jax import model_init
-from vit_jax import mpp
 from vit_jax import sharding
+from vit_jax.models import blank
+from vit_jax.tasks import mpp
 
 Batch = dict[str, jax.Array]
 _MIXUP = 2**31 - 1  # Folded into a step's key for its mixup key (micro-batches fold in 0, 1, ...).
@@ -104,7 +104,7 @@ def train_state_init(config, model, optimizer: Optimizer, image_size: int) -> Ca
   `config.ema_decay` the EMA starts as a copy of the initial params."""
   def init(rng, params):
     if params is None:
-      params = model_init.init_params(model, rng, image_size)
+      params = blank.init_params(model, rng, image_size)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                       ema=jax.tree.map(jnp.copy, params) if config.ema_decay else None)

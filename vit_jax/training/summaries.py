@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from clu import metric_writers
 
-from vit_jax import checkpoint
+from vit_jax.checkpoints import npz
 
 
 class _SpaceTolerant:
@@ -29,12 +29,12 @@ class _SpaceTolerant:
       try:
         return method(*args, **kwargs)
       except Exception as e:  # TensorFlow's ResourceExhaustedError, or an OSError.
-        if not checkpoint.is_out_of_space(e):
+        if not npz.is_out_of_space(e):
           raise
         self._given_up = True
         logging.warning('TensorBoard summaries stopped: writing them to %s failed (No space left '
                         'on device; %s free).', self._directory,
-                        checkpoint.free_space(self._directory))
+                        npz.free_space(self._directory))
         return None
     return call
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
-from vit_jax import checkpoint
+from vit_jax.checkpoints import npz
 from vit_jax.errors import ConfigError
-from vit_jax.train_step import TrainState
+from vit_jax.training.step import TrainState
 
 
 class CheckpointSaveError(RuntimeError):
@@ -167,7 +167,7 @@ class Checkpoints:
     reason, self._errors.reason = self._errors.reason or 'no finished checkpoint appeared', None
     raise CheckpointSaveError(
         f'Saving the checkpoint of step {step} to {self.directory} failed ({reason}); '
-        f'{checkpoint.free_space(self.directory)} free there; the last good checkpoint is '
+        f'{npz.free_space(self.directory)} free there; the last good checkpoint is '
         f'{f"step {last}" if last is not None else "none"}.', step)
 
   def _remove_partial(self, step: int) -> None:

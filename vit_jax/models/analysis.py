@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from vit_jax import models_vit
+from vit_jax.models import vit
 
 ATTENTION_MODULE = 'MultiHeadDotProductAttention_0'
 
@@ -32,7 +32,7 @@ def _sown_attention(model, params, images):
           for i in range(model.num_layers)]
 
 
-def attention_weights(model: models_vit.VisionTransformer, params, images) -> np.ndarray:
+def attention_weights(model: vit.VisionTransformer, params, images) -> np.ndarray:
   """The attention of every layer on (B, H, W, 3) images in [-1, 1]: (L, B, N, T, T) float32."""
   return np.stack([np.asarray(a, np.float32) for a in _sown_attention(model, params, images)])
 

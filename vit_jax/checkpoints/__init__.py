@@ -1,0 +1,2 @@
+"""Parameter files: the published .npz layout, fine-tuning surgery, a run's model, timm and
+Hugging Face layouts, conversion."""

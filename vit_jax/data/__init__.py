@@ -1,0 +1,1 @@
+"""Where images come from (embedded data, image folders, tfds) and their tf.data batches."""

@@ -1,0 +1,1 @@
+"""Objectives beside classification: masked patch prediction."""

@@ -1,0 +1,1 @@
+"""The commands besides training: predict, export, visualize, few-shot, speed, TPU plans."""

@@ -1,0 +1,137 @@
+"""Classifies images with a ViT checkpoint and prints the top-5 classes of each.
+
+    python -m vit_jax.predict --model ViT-B_16 --checkpoint ViT-B_16_imagenet2012.npz \\
+        --labels imagenet2012 cat.jpg dog.png
+    python -m vit_jax.predict --checkpoint WORKDIR cat.jpg
+    python -m vit_jax.predict --checkpoint augreg:B/16-384 --labels imagenet2012 cat.jpg
+
+Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
+embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
+values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
+one whose spec vit_jax saved in the file (training runs, vit_jax.convert), and the class names
+those a training run saved with it; a published file needs
+--model, its registry name, unless given by its published name (vit_jax.published), and the
+number of classes and the representation size then come from its parameters.
+A missing file or an image that cannot be decoded is reported by name, the other images are still
+classified, and the exit status is 1.
+"""
+import argparse
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import jax
+import numpy as np
+from PIL import Image
+
+from vit_jax import console
+from vit_jax.checkpoints import finetune
+from vit_jax.checkpoints import runs
+
+BATCH_SIZE = 16
+# The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
+IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
+
+
+def imagenet2012_labels_path() -> str:
+  spec = importlib.util.find_spec('tensorflow_datasets')
+  if spec is None:
+    raise FileNotFoundError('--labels imagenet2012 reads its names from tensorflow-datasets, '
+                            'which is not installed; pass a labels file instead.')
+  return os.path.join(spec.submodule_search_locations[0], *IMAGENET2012_LABELS)
+
+
+def load_labels(labels: Optional[str], num_classes: int,
+                saved: Optional[list[str]] = None) -> list[str]:
+  """Class names: 'imagenet2012', a text file with one name per line, or None: the names saved
+  with the model (`saved`, runs.saved_label_names), else class indices."""
+  if labels is None:
+    if saved and len(saved) == num_classes:
+      return list(saved)
+    return [f'class {i}' for i in range(num_classes)]
+  path = imagenet2012_labels_path() if labels == 'imagenet2012' else labels
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No such labels file: {path}')
+  with open(path) as f:
+    names = [line.strip() for line in f if line.strip()]
+  if len(names) != num_classes:
+    raise ValueError(f'The labels ({path}) name {len(names)} classes but the checkpoint has '
+                     f'{num_classes}.')
+  return names
+
+
+def load_image(path: str, image_size: int) -> np.ndarray:
+  """The image at `path` as (image_size, image_size, 3) float32 RGB values in [-1, 1]."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such file')
+  try:
+    with Image.open(path) as image:
+      image = image.convert('RGB').resize((image_size, image_size), Image.Resampling.BILINEAR)
+  except (OSError, ValueError, Image.DecompressionBombError) as e:
+    raise ValueError(f'{path}: cannot decode the image ({e})') from None
+  return np.asarray(image, np.float32) / 127.5 - 1
+
+
+def resized_to(params: dict, model, image_size: int) -> dict:
+  """`params` with the position parameters resized for `image_size` pixels when needed."""
+  return finetune.fit_positions(params, model, image_size)
+
+
+def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
+  """Lines '  42.15%  name (index)' of the k most probable classes, most probable first."""
+  order = np.argsort(-probabilities)[:k]
+  return [f'  {100 * probabilities[i]:6.2f}%  {labels[i]} ({i})' for i in order]
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads)')
+  parser.add_argument('--model', help='registry name, e.g. ViT-B_16; needed for files without a '
+                      'saved model spec (the published ones)')
+  parser.add_argument('--checkpoint', required=True,
+                      help='.npz in the published layout, a training workdir (its model.npz), '
+                      'or a published name, e.g. augreg:B/16-384 (python -m vit_jax.checkpoint '
+                      '--list)')
+  parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
+                      'class name per line; default: the class names a training run saved with '
+                      'the model, else class indices')
+  parser.add_argument('--image_size', type=int,
+                      help="default: the resolution of the checkpoint's position embeddings")
+  parser.add_argument('--top', type=int, default=5, help='classes printed per image')
+  return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  args = parse_args(argv)
+  try:
+    model, params = runs.load_model(args.checkpoint, args.model)
+    image_size = args.image_size or runs.native_image_size(params, model)
+    params = resized_to(params, model, image_size)
+    labels = load_labels(args.labels, model.num_classes,
+                         runs.saved_label_names(args.checkpoint))
+  except (ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+
+  images, failed = {}, False
+  for path in args.images:
+    try:
+      images[path] = load_image(path, image_size)
+    except (ValueError, FileNotFoundError) as e:
+      print(f'error: {e}', file=sys.stderr)
+      failed = True
+  classify = jax.jit(lambda p, x: jax.nn.softmax(model.apply({'params': p}, x, train=False)))
+  paths = list(images)
+  for start in range(0, len(paths), BATCH_SIZE):
+    batch = paths[start:start + BATCH_SIZE]
+    probabilities = np.asarray(classify(params, np.stack([images[p] for p in batch])))
+    for path, p in zip(batch, probabilities):
+      print(f'{path} ({image_size}x{image_size} px):')
+      print('\n'.join(top_k(p, labels, args.top)))
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  console.run(main)
