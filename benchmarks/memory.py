@@ -34,7 +34,7 @@ GIB = 2**30
 
 
 def step_config(model_name: str, batch: int):
-  """The training defaults of vit_jax/config/defaults.py for `model_name` at global batch `batch`."""
+  """The training defaults (vit_jax/config/defaults.py) of `model_name` at global batch `batch`."""
   config = defaults.with_model(defaults.training_defaults(), model_name)
   config.batch = batch
   return config

@@ -1,8 +1,9 @@
 """`--config=configs/vit.py:MODEL,DATASET`: a registry model on a dataset preset.
 
 MODEL is a short name (ti16, s16, b16, l16, h14, b32, r50_b16, ...: SHORT_NAMES of
-vit_jax/models/registry.py) or a registry name (ViT-B_16); DATASET a preset of DATASETS, the embedded
-dataset, any tfds name, or an image folder DIR with DIR/train/<class>/* and DIR/test/<class>/*.
+vit_jax/models/registry.py) or a registry name (ViT-B_16); DATASET a preset of DATASETS, the
+embedded dataset, any tfds name, or an image folder DIR with DIR/train/<class>/* and
+DIR/test/<class>/*.
 Without a pretrained path this trains from scratch; with `--config.pretrained_path=FILE.npz` it
 fine-tunes as in the paper (momentum SGD, batch 512, cosine decay, no weight decay, global-norm
 clip 1).

@@ -1,5 +1,6 @@
-"""Tests of the one-line errors of bad input: config ranges (vit_jax.config.FIELD_RANGES), config
-files, workdirs, image folders, and the exit statuses the commands share (docs/reliability.md).
+"""Tests of the one-line errors of bad input: config ranges (vit_jax.config.defaults.FIELD_RANGES),
+config files, workdirs, image folders, and the exit statuses the commands share
+(docs/reliability.md).
 
 The command lines run in subprocesses as users type them, with the device count each command
 picks for itself (no --xla_force_host_platform_device_count from conftest.py).
@@ -25,7 +26,6 @@ from vit_jax.checkpoints import convert
 from vit_jax.checkpoints import runs
 from vit_jax.config import checks
 from vit_jax.config import defaults
-from vit_jax.evaluators import linear_probe
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
 from vit_jax.tools import export
@@ -314,7 +314,7 @@ def test_bad_input_exits_1_and_a_command_line_that_does_not_parse_2(tmp_path, ca
   assert convert.main([str(tmp_path / 'missing.safetensors'), str(tmp_path / 'out.npz')]) == 1
   assert visualize.main(['--checkpoint', missing, '--output', str(tmp_path)]) == 1
   capsys.readouterr()
-  for command in (predict.main, linear_probe.main, export.main, visualize.main):
+  for command in (predict.main, fewshot_command.main, export.main, visualize.main):
     with pytest.raises(SystemExit) as exit_status:
       command(['--no_such_option'])
     assert exit_status.value.code == 2

@@ -57,7 +57,7 @@ def fixture_installed(tmp_path_factory):
 
 def test_install_holds_vit_jax_and_no_top_level_configs(installed):
   _, _, site_packages = installed
-  assert os.path.isfile(os.path.join(site_packages, 'vit_jax', 'registry.py'))
+  assert os.path.isfile(os.path.join(site_packages, 'vit_jax', 'models', 'registry.py'))
   assert not os.path.exists(os.path.join(site_packages, 'configs'))
 
 
@@ -77,4 +77,5 @@ def test_main_finds_its_default_config_in_the_package_from_another_folder(instal
              'main.parse_flags(["main"]); '
              'print(main.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
             elsewhere, env={'PYTHONPATH': str(elsewhere)})
-  assert out.split() == [os.path.join(site_packages, 'vit_jax', 'config.py'), 'ViT-mini_7']
+  assert out.split() == [os.path.join(site_packages, 'vit_jax', 'config', 'defaults.py'),
+                         'ViT-mini_7']

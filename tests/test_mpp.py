@@ -1,4 +1,5 @@
-"""Tests of masked patch prediction, vit_jax/tasks/mpp.py: targets, corruption, loss, fine-tuning."""
+"""Tests of masked patch prediction (vit_jax/tasks/mpp.py): targets, corruption, loss and
+fine-tuning."""
 import functools
 import logging
 import os

@@ -1,5 +1,5 @@
 """Tests of vit_jax.plan (the train step compiled for Cloud TPU slices that are not here) and of
-vit_jax.fit (the check that a step fits its devices' memory, in plan and in main)."""
+vit_jax.training.fit (the check that a step fits its devices' memory, in plan and in main)."""
 import ast
 import json
 import os

@@ -52,10 +52,10 @@ def test_given_params_start_the_state(setup):
 
 def test_the_step_the_benchmarks_and_config_validation_import_neither_tensorflow_nor_clu():
   # What the GPU machine lacks: vit_jax.inference_time and benchmarks/gpu.py must run there.
-  # vit_jax.main checks a config (vit_jax.validation) before it imports TensorFlow.
+  # vit_jax.main checks a config (vit_jax.config.checks) before it imports TensorFlow.
   script = os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'gpu.py')
-  code = ('import runpy, sys; import vit_jax.train_step, vit_jax.inference_time; '
-          'import vit_jax.main, vit_jax.validation; '
+  code = ('import runpy, sys; import vit_jax.training.step, vit_jax.tools.inference_time; '
+          'import vit_jax.main, vit_jax.config.checks; '
           f'runpy.run_path({script!r}); '
           'print(sorted({m.split(".")[0] for m in sys.modules} & '
           '{"tensorflow", "tensorflow_datasets", "clu"}))')

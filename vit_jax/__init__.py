@@ -2,18 +2,44 @@
 
 The subpackages: models, data, checkpoints, training, tasks, evaluators, config, tools
 (docs/design.md draws how they import each other).
+
+The library modules that moved into them keep their old names here (MOVED): `from vit_jax
+import train` still works, through `__getattr__`, with a DeprecationWarning that names the new
+module. The commands that moved keep a module of their old name, so that `python -m
+vit_jax.NAME` runs as before (vit_jax/predict.py and its like); `vit_jax.models` and
+`vit_jax.config`, now packages, forward their old names (`vit_jax.models.get_model`).
 """
 import importlib
 import warnings
 
-from vit_jax import moved
+# {old name: new module}
+MOVED = {
+    'analysis': 'vit_jax.models.analysis',
+    'fit': 'vit_jax.training.fit',
+    'input_pipeline': 'vit_jax.data.pipeline',
+    'input_pipeline_sources': 'vit_jax.data.sources',
+    'model_init': 'vit_jax.models.blank',
+    'models_resnet': 'vit_jax.models.resnet',
+    'models_vit': 'vit_jax.models.vit',
+    'mpp': 'vit_jax.tasks.mpp',
+    'positions': 'vit_jax.models.positions',
+    'published': 'vit_jax.checkpoints.published',
+    'randaugment': 'vit_jax.data.randaugment',
+    'registry': 'vit_jax.models.registry',
+    'summaries': 'vit_jax.training.summaries',
+    'torch_layout': 'vit_jax.checkpoints.torch_layout',
+    'train': 'vit_jax.training.trainer',
+    'train_checkpoints': 'vit_jax.training.state_checkpoints',
+    'train_setup': 'vit_jax.training.setup',
+    'train_step': 'vit_jax.training.step',
+    'validation': 'vit_jax.config.checks',
+}
 
 
 def __getattr__(name: str):
-  """The modules of their old, flat names (`moved.MOVED`), with a DeprecationWarning."""
-  if name not in moved.MOVED:
+  """A module of its old, flat name (MOVED), with a DeprecationWarning."""
+  if name not in MOVED:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-  new = moved.MOVED[name]
-  warnings.warn(f'vit_jax.{name} is now {new}; import it from there.', DeprecationWarning,
-                stacklevel=2)
-  return importlib.import_module(new)
+  warnings.warn(f'vit_jax.{name} is now {MOVED[name]}; import it from there.',
+                DeprecationWarning, stacklevel=2)
+  return importlib.import_module(MOVED[name])

@@ -43,7 +43,7 @@ def save_model_overrides(overrides: dict[str, Any], path, *, note: str = '') -> 
   which `load_model` and fine-tuning still read for files without a spec.
   """
   text = json.dumps({'model_overrides': overrides, 'note': note}, indent=2)
-  with npz.open(model_overrides_path(os.fspath(path)), 'wb') as f:
+  with npz.open_file(model_overrides_path(os.fspath(path)), 'wb') as f:
     f.write(text.encode())
 
 
@@ -51,7 +51,7 @@ def load_model_overrides(path) -> dict[str, Any]:
   """The VisionTransformer fields recorded next to checkpoint `path` by `save_model_overrides`;
   {} when there is no such record (the published checkpoints have none)."""
   try:
-    with npz.open(model_overrides_path(os.fspath(path)), 'rb') as f:
+    with npz.open_file(model_overrides_path(os.fspath(path)), 'rb') as f:
       overrides = json.loads(f.read())['model_overrides']
     if not isinstance(overrides, dict):
       raise TypeError(f'model_overrides is a {type(overrides).__name__}, not an object')

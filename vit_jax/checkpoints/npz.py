@@ -71,7 +71,7 @@ def _is_url(path: str) -> bool:
   return '://' in path
 
 
-def open(path: str, mode: str):
+def open_file(path: str, mode: str):
   """A binary file object: local paths with `open`, URLs (gs://...) with TensorFlow's gfile."""
   if not _is_url(path):
     if 'r' in mode and not os.path.isfile(path):
@@ -88,7 +88,7 @@ def open(path: str, mode: str):
 
 def _read_npz(path: str, keys: Optional[Collection[str]] = None) -> dict[str, np.ndarray]:
   """The arrays of the archive at `path`, by key: all, or those of `keys` that it holds."""
-  with open(path, 'rb') as f:
+  with open_file(path, 'rb') as f:
     if f.read(2) != b'PK':  # What every zip archive, hence every .npz, starts with.
       raise CheckpointError(f'{path} is not an .npz checkpoint archive (not a zip file).')
     f.seek(0)
@@ -235,7 +235,7 @@ def save(params: Params, path, *, linen_names: bool = False, spec: Optional[dict
   if _is_url(path):
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    with open(path, 'wb') as f:
+    with open_file(path, 'wb') as f:
       f.write(buffer.getvalue())
     return
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)

@@ -28,7 +28,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 EMBEDDED_DATASET = 'fashion_mnist_embedded'
-EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'data', 'fashion_mnist_embedded.npz')
+EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'fashion_mnist_embedded.npz')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 

@@ -1,7 +1,8 @@
-"""The 'mpp' evaluator: masked patch prediction's loss and accuracy on a split (vit_jax/tasks/mpp.py),
-as NAME_mpp_loss and NAME_mpp_accuracy, every image corrupted by the same fixed plan so that
-evaluations of different steps compare. Runs of config.objective='masked_patch_prediction'
-only; its entry takes the fields of the 'classification' evaluator's."""
+"""The 'mpp' evaluator: masked patch prediction's loss and accuracy on a split
+(vit_jax/tasks/mpp.py), as NAME_mpp_loss and NAME_mpp_accuracy, every image corrupted by the
+same fixed plan so that evaluations of different steps compare. Runs of
+config.objective='masked_patch_prediction' only; its entry takes the fields of the
+'classification' evaluator's."""
 import ml_collections
 
 from vit_jax.evaluators import classification
