@@ -17,7 +17,7 @@ from helpers import tiny_vit
 from vit_jax.checkpoints import npz
 from vit_jax.models import registry
 from vit_jax.models import resnet
-from vit_jax.models import vit
+from vit_jax.models import attention
 
 
 # A hand-written reference of equations (1)-(4) of the paper, in numpy.
@@ -330,7 +330,7 @@ def plain_attention(q, k, v):
 def test_padded_and_masked_attention_equals_plain_attention_with_gradients(tokens):
   q, k, v = (jax.random.normal(key, (2, 3, tokens, 8))
              for key in jax.random.split(jax.random.key(0), 3))
-  padded = lambda *a: vit.padded_attention(*a, multiple=16, implementation='xla')
+  padded = lambda *a: attention.padded_attention(*a, multiple=16, implementation='xla')
   # f(q, k, v) and the gradients of sum(sin(f)), in one jitted program each.
   with_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(
       lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(*a)))(q, k, v)
@@ -349,10 +349,10 @@ def np_msa_heads(q, k, v):
 
 
 def test_auto_attention_is_cudnn_only_on_nvidia_gpus():
-  assert vit.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
-  assert vit.resolve_attention('cudnn', jax.devices()) == 'cudnn'
+  assert attention.resolve_attention('auto', jax.devices()) == 'xla'  # The tests' CPU.
+  assert attention.resolve_attention('cudnn', jax.devices()) == 'cudnn'
   with pytest.raises(ValueError, match=r"attention='splash' is a TPU kernel, and these are CPU"):
-    vit.resolve_attention('splash', jax.devices())
+    attention.resolve_attention('splash', jax.devices())
   with pytest.raises(ValueError,
                      match=r"attention='auto'; choose one of \('xla', 'cudnn', 'splash'\)"):
     tiny_vit(attention='auto').init(jax.random.key(0), images_of(), train=False)

@@ -18,7 +18,7 @@ from vit_jax.config import checks
 from vit_jax.config import defaults
 from vit_jax.models import positions
 from vit_jax.models import registry
-from vit_jax.models import vit
+from vit_jax.models import attention
 from vit_jax.tools import export
 from vit_jax.tools import visualize
 from vit_jax.training import step as train_step
@@ -195,7 +195,7 @@ def test_relative_attention_takes_xla_where_cudnn_would_run():
   # bfloat16 heads of 8 fit cuDNN; on this CPU its kernel cannot run, so an output at all
   # shows that the bias took XLA's path.
   model = tiny('relative', attention='cudnn', dtype=jnp.bfloat16)
-  assert vit.cudnn_fits(model.dtype, model.hidden_size // model.num_heads)
+  assert attention.cudnn_fits(model.dtype, model.hidden_size // model.num_heads)
   assert np.isfinite(np.asarray(logits(model, init(model, 32), images(32)))).all()
 
 

@@ -12,6 +12,7 @@ import tiny_config as tiny_config_file
 from vit_jax.checkpoints import npz
 from vit_jax.config import checks
 from vit_jax.models import registry
+from vit_jax.models import encoder
 from vit_jax.models import vit
 from vit_jax.training import trainer
 
@@ -54,28 +55,28 @@ def without_blocks(params, keep=0):
 
 
 def test_linear_rates_rise_from_zero_at_the_first_block_to_the_rate_at_the_last():
-  np.testing.assert_allclose(vit.stochastic_depth_rates(0.3, 4, 'linear'),
+  np.testing.assert_allclose(encoder.stochastic_depth_rates(0.3, 4, 'linear'),
                              [0.0, 0.1, 0.2, 0.3])
-  assert vit.stochastic_depth_rates(0.2, 3, 'uniform') == (0.2, 0.2, 0.2)
-  assert vit.stochastic_depth_rates(0.2, 1, 'linear') == (0.2,)  # First and last.
+  assert encoder.stochastic_depth_rates(0.2, 3, 'uniform') == (0.2, 0.2, 0.2)
+  assert encoder.stochastic_depth_rates(0.2, 1, 'linear') == (0.2,)  # First and last.
 
 
 def test_drop_path_zeroes_a_fraction_rate_of_the_examples_and_keeps_the_expected_value():
   branch = jnp.ones((20_000, 3, 2))
-  dropped = np.asarray(vit.drop_path(branch, 0.3, jax.random.key(0)))
+  dropped = np.asarray(encoder.drop_path(branch, 0.3, jax.random.key(0)))
   per_example = dropped.reshape(len(dropped), -1)
   assert np.all(per_example == per_example[:, :1])  # Whole examples, not elements.
   zeroed = per_example[:, 0] == 0
   assert abs(zeroed.mean() - 0.3) < 0.02
   np.testing.assert_allclose(per_example[~zeroed], 1 / 0.7, rtol=1e-6)
   assert abs(dropped.mean() - 1.0) < 0.03  # The expected residual scale is 1.
-  np.testing.assert_array_equal(vit.drop_path(branch, 0.0, jax.random.key(0)), branch)
+  np.testing.assert_array_equal(encoder.drop_path(branch, 0.0, jax.random.key(0)), branch)
 
 
 def test_drop_path_at_rate_1_gives_zeros_and_finite_gradients():
   branch = jnp.ones((4, 3))
-  assert not np.asarray(vit.drop_path(branch, 1.0, jax.random.key(0))).any()
-  grads = jax.grad(lambda b: vit.drop_path(b, 1.0, jax.random.key(0)).sum())(branch)
+  assert not np.asarray(encoder.drop_path(branch, 1.0, jax.random.key(0))).any()
+  grads = jax.grad(lambda b: encoder.drop_path(b, 1.0, jax.random.key(0)).sum())(branch)
   np.testing.assert_array_equal(grads, 0.0)
 
 

@@ -22,7 +22,8 @@ from vit_jax.config import defaults
 from vit_jax.errors import ConfigError  # Re-exported: callers catch validation.ConfigError.
 from vit_jax.models import positions
 from vit_jax.models import registry
-from vit_jax.models import vit
+from vit_jax.models import attention
+from vit_jax.models import encoder
 from vit_jax.tasks import mpp
 
 
@@ -144,8 +145,8 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
-                         ('remat_policy', (None,) + vit.REMAT_POLICIES),
-                         ('attention', ('auto',) + vit.ATTENTION_KERNELS),
+                         ('remat_policy', (None,) + encoder.REMAT_POLICIES),
+                         ('attention', ('auto',) + attention.ATTENTION_KERNELS),
                          ('posemb', positions.POSEMB_KINDS)):
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
@@ -169,10 +170,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(error)
   from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
   evaluators.migrate(config)
-  if error := vit.attention_error(config.attention, platform or jax.default_backend()):
+  if error := attention.attention_error(config.attention, platform or jax.default_backend()):
     raise ConfigError(f'config.{error}')
   model = registry.get_model(config.model, num_classes=1)
-  if error := vit.stochastic_depth_error(model.stochastic_depth,
+  if error := encoder.stochastic_depth_error(model.stochastic_depth,
                                                 model.stochastic_depth_schedule):
     raise ConfigError(f'config.model.transformer.{error}')
   step = np.array(model.patch_pixels)

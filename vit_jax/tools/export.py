@@ -40,7 +40,7 @@ from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.checkpoints import torch_layout
-from vit_jax.models import vit
+from vit_jax.models import encoder
 from vit_jax.tools import predict
 
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
@@ -118,7 +118,7 @@ def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
       'num_attention_heads': model.num_heads, 'intermediate_size': model.mlp_dim,
       'hidden_act': torch_layout.HUGGING_FACE_GELU[model.approximate_gelu],
       'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
-      'layer_norm_eps': vit.LAYERNORM_EPS, 'image_size': image_size,
+      'layer_norm_eps': encoder.LAYERNORM_EPS, 'image_size': image_size,
       'patch_size': model.patch_size[0], 'num_channels': 3, 'qkv_bias': True,
       'encoder_stride': model.patch_size[0],
       'id2label': {str(i): name for i, name in enumerate(labels)},

@@ -32,7 +32,7 @@ from vit_jax import console
 from vit_jax import hardware
 from vit_jax import main as main_command
 from vit_jax.config import checks
-from vit_jax.models import vit
+from vit_jax.models import attention
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
 from vit_jax.training import step as train_step
@@ -208,7 +208,7 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: Topology,
                 'accum_steps': config.accum_steps, 'pp.crop': config.pp.crop,
                 'dtype': config.dtype, 'sharding': config.sharding,
                 'remat_policy': config.remat_policy, 'scan_layers': config.scan_layers,
-                'attention': vit.resolve_attention(config.attention,
+                'attention': attention.resolve_attention(config.attention,
                                                           list(mesh.devices.flat)),
                 'optimizer': config.optimizer, 'num_classes': num_classes},
             'versions': {'jax': jax.__version__, 'libtpu': libtpu_version()},

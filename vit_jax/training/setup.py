@@ -16,7 +16,7 @@ from vit_jax.checkpoints import npz
 from vit_jax.config.checks import data_parallel_size, mesh_error, pretrained_file
 from vit_jax.errors import ConfigError
 from vit_jax.models import registry
-from vit_jax.models import vit
+from vit_jax.models import attention
 from vit_jax.tasks import mpp
 from vit_jax.training.step import Batch, cross_entropy
 
@@ -81,7 +81,7 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int, devices=Non
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
       'posemb': config.posemb,
-      'attention': vit.resolve_attention(config.attention, devices or jax.devices())})
+      'attention': attention.resolve_attention(config.attention, devices or jax.devices())})
   if config.objective == 'masked_patch_prediction':
     return mpp.with_mpp(model, config.mpp.target)
   return model

@@ -1,0 +1,220 @@
+"""The Transformer encoder of the ViT: pre-LayerNorm blocks of attention and MLP with residual
+connections (Eq. 2-3 of the paper), stored per block or scanned (`scan_layers`), rematerialised
+by `remat_policy`, with stochastic depth; the final LayerNorm.
+"""
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vit_jax.models import attention
+from vit_jax.models import positions
+from vit_jax.sharding import with_axes
+
+Dtype = Any
+REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
+                  'everything_saveable')
+
+
+LAYERNORM_EPS = 1e-6
+TOKENS = ('batch', 'seq', 'embed')  # Logical axes of the (B, T, D) activations between blocks.
+STOCHASTIC_DEPTH_SCHEDULES = ('linear', 'uniform')
+
+
+def _layer_norm(dtype, name=None):
+  return nn.LayerNorm(epsilon=LAYERNORM_EPS, dtype=dtype, name=name,
+                      scale_init=with_axes(nn.initializers.ones, 'embed'),
+                      bias_init=with_axes(nn.initializers.zeros, 'embed'))
+
+
+class AddPositionEmbs(nn.Module):
+  """Adds learned 1-D position embeddings `pos_embedding` (1, T, D) to (B, T, D) inputs."""
+  posemb_init: Callable = nn.initializers.normal(stddev=0.02)
+
+  @nn.compact
+  def __call__(self, x):
+    expected = (1, x.shape[1], x.shape[2])
+    if self.has_variable('params', 'pos_embedding'):
+      found = self.get_variable('params', 'pos_embedding').shape
+      if tuple(found) != expected:
+        raise ValueError(
+            f'The image gives {x.shape[1]} tokens but the position embeddings '
+            f'(Transformer/posembed_input/pos_embedding) have shape {tuple(found)}, '
+            f'not {expected}. Resize the images to the resolution the model was built for, '
+            'or resize the position embeddings (vit_jax.checkpoint.load_pretrained does it).')
+    posemb = self.param('pos_embedding', with_axes(self.posemb_init, None, 'seq', 'embed'),
+                        expected)
+    return x + posemb.astype(x.dtype)
+
+
+class MlpBlock(nn.Module):
+  """Dense(M), GELU, dropout, Dense(D), dropout: (B, T, D) -> (B, T, D)."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, deterministic):
+    dense = lambda features, axes: nn.Dense(
+        features, dtype=self.dtype, kernel_init=with_axes(nn.initializers.xavier_uniform(), *axes),
+        bias_init=with_axes(nn.initializers.normal(stddev=1e-6), axes[1]))
+    y = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'))(x), approximate=self.approximate_gelu)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    y = dense(x.shape[-1], ('mlp', 'embed'))(y)
+    return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+
+def stochastic_depth_error(rate, schedule: str) -> Optional[str]:
+  """Why (`stochastic_depth`, `stochastic_depth_schedule`) cannot work, or None where they can."""
+  if not 0 <= rate <= 1:
+    return f'stochastic_depth={rate!r} must be a drop rate in [0, 1], e.g. 0.1 (0: off).'
+  if schedule not in STOCHASTIC_DEPTH_SCHEDULES:
+    return (f'stochastic_depth_schedule={schedule!r}; choose one of '
+            f'{STOCHASTIC_DEPTH_SCHEDULES}.')
+  return None
+
+
+def stochastic_depth_rates(rate: float, num_layers: int, schedule: str) -> tuple[float, ...]:
+  """The drop rate of each of `num_layers` blocks: `rate` for every one ('uniform'), or rising
+  linearly from 0 at the first block to `rate` at the last ('linear', as DeiT and timm)."""
+  if schedule == 'uniform' or num_layers == 1:
+    return (rate,) * num_layers
+  return tuple(rate * i / (num_layers - 1) for i in range(num_layers))
+
+
+def drop_path(branch, rate, rng):
+  """Stochastic depth (Huang et al., 2016) of a residual branch (B, ...): each example's branch
+  is zeroed with probability `rate` (a float or a traced scalar) and the others are scaled by
+  1 / (1 - rate), so that its expected value is unchanged; at rate 1 all are zeroed."""
+  keep_prob = 1 - jnp.asarray(rate, jnp.float32)
+  keep = jax.random.bernoulli(rng, keep_prob, (branch.shape[0],) + (1,) * (branch.ndim - 1))
+  scale = keep / jnp.maximum(keep_prob, jnp.finfo(jnp.float32).tiny)
+  return branch * scale.astype(branch.dtype)
+
+
+class Encoder1DBlock(nn.Module):
+  """One pre-LayerNorm Transformer block, Eq. (2) and (3): (B, T, D) -> (B, T, D).
+
+  `drop_rate` (a float or traced scalar; None: off) is the block's stochastic depth: the
+  attention and MLP branches are each dropped per example (`drop_path`) in training.
+  """
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  attention: str = 'xla'
+  relative_patches: int = 0  # See MultiHeadDotProductAttention.
+
+  def drop_branch(self, branch, deterministic, drop_rate):
+    """`branch` through `drop_path` in training with a `drop_rate`; as it is otherwise."""
+    if deterministic or drop_rate is None:
+      return branch
+    return drop_path(branch, drop_rate, self.make_rng('dropout'))
+
+  @nn.compact
+  def __call__(self, inputs, deterministic, drop_rate=None):
+    x = _layer_norm(self.dtype)(inputs)
+    x = attention.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
+        attention=self.attention, relative_patches=self.relative_patches)(
+            x, deterministic=deterministic)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = self.drop_branch(x, deterministic, drop_rate) + inputs
+    y = _layer_norm(self.dtype)(x)
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                 approximate_gelu=self.approximate_gelu, dtype=self.dtype)(
+                     y, deterministic=deterministic)
+    return nn.with_logical_constraint(x + self.drop_branch(y, deterministic, drop_rate), TOKENS)
+
+
+class _ScanStep(Encoder1DBlock):
+  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic, drop_rate) -> (x, None), same
+  parameters; `drop_rate` is the layer's entry of the scanned (L,) rates, or None."""
+
+  def __call__(self, inputs, deterministic, drop_rate=None):
+    return super().__call__(inputs, deterministic, drop_rate), None
+
+
+def checkpoint_policy(name: str) -> Callable[..., bool]:
+  """The `jax.checkpoint_policies` member `name`: which of a block's values the backward pass
+  keeps instead of recomputing ('nothing_saveable' keeps only the block's input)."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy={name!r}; choose one of {REMAT_POLICIES}, or None for no '
+                     'rematerialisation.')
+  return getattr(jax.checkpoint_policies, name)
+
+
+class Encoder(nn.Module):
+  """Position embeddings, dropout, `num_layers` blocks and the final LayerNorm: (B,T,D) -> (B,T,D).
+
+  `scan_layers` runs the blocks as one `nn.scan`, so that compilation does not grow with depth;
+  their parameters are then those of one block, `encoderblock`, with a leading axis of size
+  num_layers on every leaf (vit_jax.checkpoint.scan_blocks / unscan_blocks convert), and sown
+  attention weights are stacked likewise: `encoderblock/.../attention_weights` is
+  ((L, B, N, T, T),). `remat_policy` (a name of REMAT_POLICIES) rematerialises each block under
+  that `jax.checkpoint` policy: the backward pass recomputes what the policy does not save.
+  On XLA:CPU only scanned blocks gain from it: the CPU compiler drops the optimisation barriers
+  that keep unscanned recomputations apart and merges them back into the forward pass.
+  In training, block i drops its branches at `stochastic_depth_rates(stochastic_depth, ...)[i]`;
+  scanned blocks take their rate as a scanned input.
+  `posemb` (vit_jax.positions) says how positions enter, for patches on a grid of (rows,
+  columns) `grid`: at the input (`posembed_input`), or in each block's attention (relative).
+  """
+  num_layers: int
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  scan_layers: bool = False
+  remat_policy: Optional[str] = None
+  attention: str = 'xla'
+  stochastic_depth: float = 0.0
+  stochastic_depth_schedule: str = 'linear'
+  posemb: str = 'learned_1d'
+
+  def remat(self, block_class):
+    """`block_class`, rematerialised under `remat_policy` when one is set."""
+    if self.remat_policy is None:
+      return block_class
+    # In scan's loop XLA cannot fold the recomputation back into the forward pass: no CSE guard.
+    return nn.remat(block_class, policy=checkpoint_policy(self.remat_policy),
+                    prevent_cse=not self.scan_layers, static_argnums=(2,))
+
+  @nn.compact
+  def __call__(self, x, *, train, grid: Optional[tuple[int, int]] = None):
+    if self.posemb == 'learned_1d':
+      x = AddPositionEmbs(name='posembed_input')(x)
+    elif grid is None:
+      raise ValueError(f'posemb={self.posemb!r} needs the grid (rows, columns) of the patches.')
+    else:
+      x = positions.AddGridPositions(self.posemb, name='posembed_input')(x, grid)
+    x = nn.with_logical_constraint(nn.Dropout(self.dropout_rate)(x, deterministic=not train),
+                                   TOKENS)
+    block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+                        dropout_rate=self.dropout_rate,
+                        attention_dropout_rate=self.attention_dropout_rate,
+                        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+                        attention=self.attention,
+                        relative_patches=math.prod(grid) if self.posemb == 'relative' else 0)
+    rates = (stochastic_depth_rates(self.stochastic_depth, self.num_layers,
+                                    self.stochastic_depth_schedule)
+             if train and self.stochastic_depth > 0 else (None,) * self.num_layers)
+    if self.scan_layers:
+      scanned_rates = None if rates[0] is None else jnp.asarray(rates, jnp.float32)
+      blocks = nn.scan(self.remat(_ScanStep), variable_axes={'params': 0, 'intermediates': 0},
+                       split_rngs={'params': True, 'dropout': True},
+                       in_axes=(nn.broadcast, nn.broadcast if scanned_rates is None else 0),
+                       length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, _ = blocks(**block_fields, name='encoderblock')(x, not train, scanned_rates)
+    else:
+      block = self.remat(Encoder1DBlock)
+      for i in range(self.num_layers):
+        x = block(**block_fields, name=f'encoderblock_{i}')(x, not train, rates[i])
+    return _layer_norm(self.dtype, name='encoder_norm')(x)
