@@ -6,7 +6,7 @@ import pytest
 from helpers import write_image_folder
 from vit_jax import main
 from vit_jax.config import checks
-from vit_jax.training import trainer
+from vit_jax.training import dataset_checks
 
 
 def load(spec):
@@ -61,7 +61,7 @@ def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_ov
   config = load(f'configs/scratch_small.py:{tmp_path},16')
   # 100 epochs, each one batch of 16 of the 30 images: each seen 53 times, not 100 x 128 / 30.
   assert (config.batch, config.total_steps) == (16, 100)
-  assert config.total_steps * config.batch / 30 < trainer.MAX_PASSES  # So no warning.
+  assert config.total_steps * config.batch / 30 < dataset_checks.MAX_PASSES  # So no warning.
   checks.validate_config(config, 2)
 
 

@@ -225,12 +225,12 @@ def image_folder(path, num_per_class=3) -> str:
 
 
 def test_a_file_name_that_is_not_utf8_is_named_in_one_line(tmp_path):
-  from vit_jax.training import trainer  # It imports TensorFlow.
+  from vit_jax.training import dataset_checks
   folder = image_folder(tmp_path / 'photos')
   with open(os.path.join(os.fsencode(folder), b'train', b'shoe', b'caf\xe9.png'), 'wb') as f:
     f.write((tmp_path / 'photos' / 'train' / 'shoe' / '0.png').read_bytes())
   with pytest.raises(checks.ConfigError) as error:
-    trainer.check_data(tiny_config(dataset=folder, test_split='test'), '')
+    dataset_checks.check_data(tiny_config(dataset=folder, test_split='test'), '')
   assert str(error.value) == (
       f'The file name {folder}/train/shoe/caf\\xe9.png is not valid UTF-8, which TensorFlow '
       'needs: rename it, e.g. to ASCII letters and digits.')

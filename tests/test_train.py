@@ -22,6 +22,8 @@ from vit_jax.evaluators import classification
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
 from vit_jax.training import step as train_step
+from vit_jax.training import preemption
+from vit_jax.training import workdir
 from vit_jax.training import trainer
 
 
@@ -427,7 +429,7 @@ def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained
 
 def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
   before = signal.getsignal(signal.SIGINT)  # Python's, or pytest-xdist's worker's SIG_IGN.
-  watcher = trainer.PreemptionWatcher()
+  watcher = preemption.PreemptionWatcher()
   try:
     assert not watcher.reached(1)
     os.kill(os.getpid(), signal.SIGINT)
@@ -441,13 +443,13 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
 
 def test_a_run_saved_before_posemb_and_objective_resumes_and_changing_them_is_named(tmp_path):
   config = tiny_config()
-  trainer.write_config(config, str(tmp_path))
+  workdir.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('posemb', 'objective', 'mpp'):
     del saved[field]  # As an older version wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert trainer.resume_mismatches(config, str(tmp_path)) == []
+  assert workdir.resume_mismatches(config, str(tmp_path)) == []
   config.posemb, config.objective = 'sincos_2d', 'masked_patch_prediction'
-  assert trainer.resume_mismatches(config, str(tmp_path)) == [
+  assert workdir.resume_mismatches(config, str(tmp_path)) == [
       "objective (saved 'supervised', now 'masked_patch_prediction')",
       "posemb (saved 'learned_1d', now 'sincos_2d')"]

@@ -5,8 +5,8 @@ TPU slices that are not there.
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import mesh_utils
+import jax.numpy as jnp
 from jax.sharding import Mesh
 import ml_collections
 import numpy as np
@@ -15,8 +15,8 @@ from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.config.checks import data_parallel_size, mesh_error, pretrained_file
 from vit_jax.errors import ConfigError
-from vit_jax.models import registry
 from vit_jax.models import attention
+from vit_jax.models import registry
 from vit_jax.tasks import mpp
 from vit_jax.training.step import Batch, cross_entropy
 

@@ -15,8 +15,8 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from vit_jax.checkpoints import npz

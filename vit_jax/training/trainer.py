@@ -4,20 +4,14 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
-import contextlib
-import itertools
-import json
 import logging
 import os
-import signal
-import threading
 import time
-from typing import Any, Callable
 
 from clu import metric_writers
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 from jax.sharding import Mesh
 import ml_collections
 
@@ -26,26 +20,23 @@ from vit_jax import hardware
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import runs
-from vit_jax.config import defaults
+from vit_jax.config.checks import pretrained_file, validate_config
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
+from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
 from vit_jax.models import blank
 from vit_jax.models import flops
 from vit_jax.models import registry
+from vit_jax.training import dataset_checks
 from vit_jax.training import fit
+from vit_jax.training import preemption
 from vit_jax.training import summaries
-# The update step lives in vit_jax.train_step, free of TensorFlow; the checkpoints of the train
-# state in vit_jax.train_checkpoints.
+from vit_jax.training import workdir
+from vit_jax.training.setup import build_model, make_mesh
+from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 from vit_jax.training.state_checkpoints import Checkpoints, CheckpointSaveError
 from vit_jax.training.step import make_optimizer
 from vit_jax.training.step import TrainState, create_train_state
-# The mesh, model and evaluation step live in vit_jax.train_setup, free of TensorFlow, for
-# vit_jax.plan to compile the same step.
-from vit_jax.training.setup import build_model, make_mesh
-from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
-# The evaluation of a split lives in vit_jax.evaluators.classification.
-from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
-from vit_jax.config.checks import pretrained_file, validate_config
 
 
 class NonFiniteError(RuntimeError):
@@ -56,101 +47,17 @@ class NonFiniteError(RuntimeError):
     self.step = step  # The first step found non-finite.
 
 
-# Setup.
-
-
 def init_params(config, model, image_size: int):
   """Freshly initialised params on the host (the same as the train state's at step 0)."""
   return jax.jit(lambda rng: blank.init_params(model, rng, image_size))(
       jax.random.PRNGKey(config.seed))
 
 
-# The loop.
-
-
-def flatten_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """{'pp.crop': 224, ...} with TensorBoard-friendly values, for hparams."""
-  return _flatten(config.to_dict())
-
-
-def _flatten(tree: dict) -> dict[str, Any]:
-  """{'a': {'b': 1}} -> {'a.b': 1}; values other than int, float, str and bool as str."""
-  flat = {}
-
-  def visit(prefix, value):
-    if isinstance(value, dict):
-      for key, sub in value.items():
-        visit(f'{prefix}{key}.', sub)
-    else:
-      flat[prefix[:-1]] = value if isinstance(value, (int, float, str, bool)) else str(value)
-
-  visit('', tree)
-  return flat
-
-
-# The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
-STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers', 'posemb', 'objective',
-                'mpp.target')
-# Fields newer than some saved config.json files: a config that lacks one holds its default
-# (`added_field_defaults`), the value that behaves as the versions without the field did.
-ADDED_FIELDS = ('model.transformer.stochastic_depth', 'model.transformer.stochastic_depth_schedule',
-                'posemb', 'objective', 'mpp.target')
-
-
-def added_field_defaults() -> dict[str, Any]:
-  """{field of ADDED_FIELDS: its default}: the registry's TRANSFORMER_DEFAULTS for the model's
-  fields, config.training_defaults() for the others."""
-  flat = _flatten({**defaults.training_defaults().to_dict(),
-                   'model': {'transformer': registry.TRANSFORMER_DEFAULTS}})
-  return {field: flat[field] for field in ADDED_FIELDS}
-
-
-def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
-  """The fields fixing the checkpoints' shapes or data order that differ between
-  `WORKDIR/config.json` and `config`, as 'field (saved X, now Y)'; [] without a config.json.
-  A ConfigError where config.json does not read (`runs.read_run_config`)."""
-  try:
-    saved = runs.read_run_config(workdir)
-  except npz.CheckpointError as e:
-    raise ConfigError(str(e)) from None
-  if saved is None:
-    return []
-  added = added_field_defaults()
-  saved = {**added, **_flatten(saved)}
-  now = {**added, **_flatten(json.loads(config.to_json_best_effort()))}
-  fields = STATE_FIELDS + pipeline.ORDER_FIELDS
-  return [f'{key} (saved {saved.get(key)!r}, now {now.get(key)!r})'
-          for key in sorted(saved.keys() | now.keys())
-          if any(key == f or key.startswith(f + '.') for f in fields)
-          and saved.get(key) != now.get(key)]
-
-
-# What a run writes through WORKDIR/NAME.tmp files (`write_config`, `npz.save`).
-WRITTEN_THROUGH_TMP = ('config.json', 'model.npz', 'model_raw.npz')
-
-
-def remove_stale_temporaries(workdir: str) -> None:
-  """Removes the WORKDIR/NAME.tmp of WRITTEN_THROUGH_TMP that a killed run left half-written."""
-  for name in WRITTEN_THROUGH_TMP:
-    path = os.path.join(workdir, name + '.tmp')
-    if os.path.exists(path):
-      os.remove(path)
-      logging.info('Removed %s, left half-written by a run that was stopped.', path)
-
-
-def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes `WORKDIR/config.json` (through a temporary file: never half a file)."""
-  path = os.path.join(workdir, 'config.json')
-  with open(path + '.tmp', 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
-  os.replace(path + '.tmp', path)
-
-
 def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardings: TrainState,
                      mesh: Mesh) -> tuple[TrainState, pipeline.TrainIterator]:
   """(state, training batches) from the newest intact checkpoint, or from `state` at step 0."""
   if checkpoints.latest_step() is not None:
-    if mismatches := resume_mismatches(config, checkpoints.workdir):
+    if mismatches := workdir.resume_mismatches(config, checkpoints.workdir):
       raise ConfigError(
           f'{checkpoints.workdir} holds a run with other {", ".join(mismatches)}: its '
           'checkpoints cannot continue with these. Run with the saved values, or start afresh '
@@ -167,68 +74,6 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
   return state, train_iter
 
 
-@contextlib.contextmanager
-def data_errors(prefix: str):
-  """Raises the errors of the data sources (an unknown dataset, a bad split or folder, a test
-  image that does not decode) as ConfigError, the message after `prefix`."""
-  try:
-    yield
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f'{prefix}{e}') from None
-
-
-def check_data(config: ml_collections.ConfigDict, prefix: str) -> pipeline.DatasetInfo:
-  """The dataset info of `config`; raises ConfigError, its message after `prefix`, where the
-  dataset or a split does not exist or a test image does not decode."""
-  with data_errors(prefix):
-    return pipeline.get_dataset_info(config)
-
-
-def check_classes(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> None:
-  """Raises ConfigError where a supervised run's dataset has fewer than 2 classes: a classifier
-  of one class scores every image right and learns nothing."""
-  if config.objective == 'supervised' and info.num_classes < 2:
-    raise ConfigError(
-        f'config.dataset={config.dataset!r} has {info.num_classes} class'
-        f'{"" if info.num_classes == 1 else "es"} ({", ".join(info.label_names) or "none"}): a '
-        'classifier needs 2 or more. Use a dataset of several classes (an image folder: one '
-        'folder per class, DIR/train/<class>/ and DIR/test/<class>/), or pre-train without '
-        'labels with --config.objective=masked_patch_prediction.')
-
-
-SHOWN_CLASS_NAMES = 5  # Class names the dataset line shows; '...' for the rest.
-
-
-def dataset_line(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> str:
-  """'Dataset NAME: N train images (SPLIT), M test images (SPLIT), K classes (a, b, ...).'"""
-  names = ', '.join(info.label_names[:SHOWN_CLASS_NAMES])
-  more = ', ...' if info.num_classes > SHOWN_CLASS_NAMES else ''
-  return (f'Dataset {config.dataset}: {info.num_train:,} train images ({config.train_split}), '
-          f'{info.num_test:,} test images ({config.test_split}), {info.num_classes} classes '
-          f'({names}{more}).')
-
-
-# Passes over each training image beyond which a run from scratch gets a warning: its config's
-# schedule was made for more data (on 20 images, 900 steps of 128 spend minutes on a flat loss).
-MAX_PASSES = 100
-SMALL_DATA_CONFIG = 'configs/scratch_small.py'
-
-
-def warn_of_repetition(config: ml_collections.ConfigDict,
-                       info: pipeline.DatasetInfo) -> None:
-  """Logs a warning where a run from scratch sees each training image more than MAX_PASSES
-  times, naming SMALL_DATA_CONFIG. Fine-tuning is left alone: the paper fine-tunes for hundreds
-  of passes over small datasets."""
-  passes = config.total_steps * config.batch / info.num_train
-  if passes > MAX_PASSES and not config.pretrained_path:
-    logging.warning(
-        'This run sees each of its %s training images about %s times (%s steps of %s images), '
-        'a schedule made for more data. For a small image folder, --config=%s:DIR fits the '
-        'schedule to it (about %d passes, with augmentation and regularisation); or lower '
-        '--config.total_steps.', f'{info.num_train:,}', f'{passes:,.0f}',
-        f'{config.total_steps:,}', config.batch, SMALL_DATA_CONFIG, MAX_PASSES)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
@@ -236,10 +81,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
   """
   validate_config(config, jax.device_count())
-  info = check_data(config, '')
-  check_classes(config, info)
-  logging.info('%s', dataset_line(config, info))
-  warn_of_repetition(config, info)
+  info = dataset_checks.check_data(config, '')
+  dataset_checks.check_classes(config, info)
+  logging.info('%s', dataset_checks.dataset_line(config, info))
+  dataset_checks.warn_of_repetition(config, info)
   mesh = make_mesh(config)
   model = build_model(config, info.num_classes)
   evals = evaluators.build(config, model, mesh)  # Checks their data before anything compiles.
@@ -254,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   if is_main:
-    remove_stale_temporaries(workdir)
+    workdir.remove_stale_temporaries(workdir)
 
   params = None
   if config.pretrained_path:
@@ -264,21 +109,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)
     if is_main:  # Only now: a resume that fails keeps the config.json of the run it found.
-      write_config(config, workdir)
+      workdir.write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
                                 checkpoints, evals)
   except CheckpointSaveError as e:
     if e.final_state is None:
       raise
-    saved = export_after_failed_save(e.final_state, model, config, workdir,
+    saved = write_model_after_failed_save(e.final_state, model, config, workdir,
                                     info.label_names)
     raise CheckpointSaveError(f'{e} {saved}', e.step) from None
   finally:
     checkpoints.close()
   if 'preempted_at_step' not in last_metrics:
     try:
-      export(state, model, config, workdir, info.label_names)
+      write_model(state, model, config, workdir, info.label_names)
     except CheckpointSaveError as e:
       raise CheckpointSaveError(
           f'{e} The checkpoint of step {int(state.step)} is complete: free some space and run '
@@ -286,18 +131,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return last_metrics
 
 
-def export_after_failed_save(state: TrainState, model, config, workdir: str,
+def write_model_after_failed_save(state: TrainState, model, config, workdir: str,
                              label_names: list[str]) -> str:
   """Writes model.npz of the final `state` whose checkpoint failed; says whether it could."""
   try:
-    export(state, model, config, workdir, label_names)
+    write_model(state, model, config, workdir, label_names)
   except CheckpointSaveError as e:
     return f'{e} Free some space and run the same command again.'
   return (f'The final params are in {os.path.join(workdir, runs.WORKDIR_MODEL)}; free some '
           'space and run the same command again for the final checkpoint.')
 
 
-def export(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
+def write_model(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
            label_names: list[str]) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec
   and the dataset's class names (`label_names`, in label order: what `predict` prints); with an
@@ -334,37 +179,37 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   if int(state.step) >= config.total_steps:
     logging.info('Already trained to step %d of %d: evaluating it.', int(state.step),
                  config.total_steps)
-    preemption = PreemptionWatcher()
+    watcher = preemption.PreemptionWatcher()
     try:
-      with preemption.stops_evaluation(final_step=int(state.step)):
+      with watcher.stops_evaluation(final_step=int(state.step)):
         # Not written: TensorBoard has this step's evaluation from the run that reached it.
         metrics = evaluate_due(config, int(state.step), state, evals,
                                metric_writers.MultiWriter([]))
       return state, metrics
-    except EvaluationStopped as e:
+    except preemption.EvaluationStopped as e:
       return state, stop_evaluation(e, int(state.step), final=True)
     finally:
-      preemption.close()
+      watcher.close()
   train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   if int(state.step) == 0:
-    writer.write_hparams(flatten_config(config))
+    writer.write_hparams(workdir.flatten_config(config))
   flops_per_image = 3 * flops.gflops_per_image(model, config.pp.crop) * 1e9
   peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
   peak_flops *= jax.process_count()
   logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
                config.model_name, f'{registry.count_params(model, config.pp.crop):,}',
                flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
-  preemption = PreemptionWatcher()
+  watcher = preemption.PreemptionWatcher()
   try:
     return run_steps(config, state, train_step, evals, train_iter, writer, checkpoints,
-                     preemption, flops_per_image / peak_flops)
+                     watcher, flops_per_image / peak_flops)
   finally:
-    preemption.close()
+    watcher.close()
     writer.flush()
 
 
 def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], train_iter, writer,
-              checkpoints: Checkpoints, preemption, flops_per_image_over_peak):
+              checkpoints: Checkpoints, watcher, flops_per_image_over_peak):
   """The step loop, from `state.step` to `config.total_steps` or a preemption; after each
   step the evaluators of `evals` that are due (evaluators.is_due) run.
 
@@ -408,7 +253,7 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
         last_metrics.update(logged)
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
-      preempted = preemption.reached(step)
+      preempted = watcher.reached(step)
       checkpointed = (preempted or step % config.checkpoint_every == 0
                       or step == config.total_steps)
       if checkpointed:
@@ -416,14 +261,14 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
         checkpoints.save(state, train_iter.get_state())
       if preempted:
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
-                        preemption.signal_name or 'SIGTERM')
+                        watcher.signal_name or 'SIGTERM')
         return state, {**last_metrics, 'preempted_at_step': step}
       eval_start = time.perf_counter()
       try:
-        with preemption.stops_evaluation(
+        with watcher.stops_evaluation(
             final_step=step if step == config.total_steps else None):
           last_metrics.update(evaluate_due(config, step, state, evals, writer))
-      except EvaluationStopped as e:
+      except preemption.EvaluationStopped as e:
         if not checkpointed:
           check_finite(step, metrics)
           checkpoints.save(state, train_iter.get_state())
@@ -461,7 +306,8 @@ def evaluate_due(config, step: int, state: TrainState, evals: list[evaluators.Ev
   return metrics
 
 
-def stop_evaluation(stopped: 'EvaluationStopped', step: int, final: bool) -> dict[str, int]:
+def stop_evaluation(stopped: preemption.EvaluationStopped, step: int,
+                    final: bool) -> dict[str, int]:
   """Logs the stop of the evaluation of `step`, whose checkpoint is saved; returns the metrics
   of a preemption at `step`."""
   rerun = 'only evaluates it' if final else 'resumes after it, without this evaluation'
@@ -495,110 +341,6 @@ def check_finite(step: int, metrics: dict) -> None:
     raise NonFiniteError(
         f'Non-finite loss or gradient at step {step} (loss {loss}, gradient norm {grad_norm}); '
         'stopped without checkpointing that state.', step)
-
-
-class EvaluationStopped(Exception):
-  """A SIGTERM or SIGINT came during an evaluation (PreemptionWatcher.stops_evaluation)."""
-
-  def __init__(self, signal_name: str):
-    super().__init__(signal_name)
-    self.signal_name = signal_name
-
-
-STOP_REPEAT_S = 0.2  # How often a stopped evaluation is told again (PreemptionWatcher).
-
-
-class PreemptionWatcher:
-  """Notices SIGTERM (how TPU VMs and cluster schedulers announce a preemption) and Ctrl-C.
-
-  With one process a handler of SIGTERM and SIGINT sets a flag, and a second SIGINT stops at
-  once (KeyboardInterrupt); inside `stops_evaluation` either stops at once. With several,
-  JAX's distributed runtime (whose own SIGTERM handler tells every process of a SIGTERM to
-  any) makes every process agree on the same step to stop at, and in the final evaluation
-  on the same batch.
-  """
-
-  def __init__(self):
-    self.signal_name = None
-    self._evaluating = False
-    self._previous = {}
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      for signum in (signal.SIGTERM, signal.SIGINT):
-        self._previous[signum] = signal.signal(signum, self._on_signal)
-
-  def _on_signal(self, signum, frame):
-    del frame
-    if signum == signal.SIGINT and self.signal_name == 'SIGINT':
-      raise KeyboardInterrupt
-    self.signal_name = signal.Signals(signum).name
-    self._stop_evaluation()
-    if signum == signal.SIGINT:
-      logging.warning('Ctrl-C: stopping after this step with a checkpoint; press it again to '
-                      'stop at once.')
-
-  def _stop_evaluation(self, *_) -> None:
-    """Raises EvaluationStopped inside `stops_evaluation`, and again every STOP_REPEAT_S
-    seconds (SIGALRM) until the evaluation has stopped: libraries catch exceptions broadly
-    (TensorFlow's AutoGraph, converting a function, may log one and go on)."""
-    if self._evaluating:
-      signal.setitimer(signal.ITIMER_REAL, STOP_REPEAT_S)
-      raise EvaluationStopped(self.signal_name)
-
-  @contextlib.contextmanager
-  def stops_evaluation(self, final_step: int | None = None):
-    """Inside, a SIGTERM or SIGINT (also one already received) stops the evaluation at once
-    (EvaluationStopped): it runs after its step's checkpoint was started, so stopping it loses
-    nothing a rerun cannot redo, and a preemption's grace period is often shorter than an
-    evaluation of a large test set.
-
-    With several processes, where `final_step` (the last step, after which no step follows)
-    is given: a SIGTERM stops it at a batch on which all processes agree
-    (`_sync_at_each_batch`); they cannot each stop where they are, as the others would wait at
-    the batch's collectives. Another evaluation runs to its end, and the run stops at the next
-    step's sync point."""
-    if not self._previous:  # Several processes, or not the main thread.
-      with (hardware.at_each_batch(self._sync_at_each_batch(final_step))
-            if final_step is not None and jax.process_count() > 1
-            else contextlib.nullcontext()):
-        yield
-      return
-    self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM,
-                                                            self._stop_evaluation))
-    self._evaluating = True
-    try:
-      if self.signal_name is not None:
-        self._stop_evaluation()
-      yield
-    except Exception as e:
-      if self.signal_name is None or isinstance(e, EvaluationStopped):
-        raise
-      # Ours, wrapped by a library (AutoGraph re-raises it as a StagingError).
-      raise EvaluationStopped(self.signal_name) from None
-    finally:
-      self._evaluating = False
-      signal.setitimer(signal.ITIMER_REAL, 0)
-
-  def _sync_at_each_batch(self, final_step: int) -> Callable[[], None]:
-    """For hardware.at_each_batch: asks JAX's preemption sync point at each batch, numbered on
-    from `final_step` (the sync point's numbers must grow by one a call, alike in every
-    process; Orbax asks it with the step at each save, so only after the last step are the
-    numbers free), and raises EvaluationStopped at the batch where it is reached."""
-    numbers = itertools.count(final_step + 1)
-
-    def check() -> None:
-      if multihost_utils.reached_preemption_sync_point(next(numbers)):
-        self.signal_name = 'SIGTERM'
-        raise EvaluationStopped(self.signal_name)
-    return check
-
-  def reached(self, step: int) -> bool:
-    if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self.signal_name is not None
-
-  def close(self):
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
 
 
 def load_pretrained_params(config, model):
