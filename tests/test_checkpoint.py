@@ -14,7 +14,7 @@ from helpers import random_params
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import runs
-from vit_jax.data import pipeline
+from vit_jax.data import image_ops
 from vit_jax.data import sources
 from vit_jax.models import registry
 from vit_jax.models import vit
@@ -471,7 +471,7 @@ def test_grown_patches_keep_the_predictions_on_upsampled_images(tmp_path):
   with np.load(sources.EMBEDDED_PATH) as data:
     gray = data['test_images'][:64]
   images = np.repeat(gray[..., None], 3, -1).astype(np.float32) / 127.5 - 1
-  upsampled = np.stack([pipeline.resize(image, 56).numpy() for image in images])
+  upsampled = np.stack([image_ops.resize(image, 56).numpy() for image in images])
   model = vit.VisionTransformer(num_classes=10, patch_size=(7, 7), **SMALL_VIT)
   # Random weights; the differences between images, not between classes, are compared.
   params = random_params(model, 28, scale=0.3)

@@ -22,7 +22,7 @@ from helpers import random_params
 from vit_jax.checkpoints import convert
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import torch_layout
-from vit_jax.data import pipeline
+from vit_jax.data import image_ops
 from vit_jax.models import registry
 from vit_jax.tools import export
 
@@ -315,7 +315,7 @@ def test_saved_model_resizes_like_the_eval_pipeline(token, saved_model):
   assert images.shape[1:] == (512, 512, 3)
   pp = ml_collections.ConfigDict({'crop': SIZE})
   expected = apply_logits(params, np.stack(
-      [pipeline.preprocess_eval(tf.constant(x), pp).numpy() for x in images]))
+      [image_ops.preprocess_eval(tf.constant(x), pp).numpy() for x in images]))
   logits = saved_model.signatures['serving_default'](images=tf.constant(images))['logits']
   np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-4, atol=1e-6)
 

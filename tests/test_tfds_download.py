@@ -16,7 +16,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from helpers import xla_flags
-from vit_jax.data import sources
+from vit_jax.data import tfds_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,5 +103,5 @@ def test_a_download_broken_off_leaves_no_partial_file_behind(tmp_path):
   with breaking_server() as url:
     Downloads.URL = url
     with pytest.raises(ValueError, match="tfds dataset 'downloads' is not prepared"):
-      sources.TfdsSource('downloads', str(tmp_path / 'tfds'), None, shuffle_buffer=10)
+      tfds_source.TfdsSource('downloads', str(tmp_path / 'tfds'), None, shuffle_buffer=10)
   assert not (tmp_path / 'tfds').exists(), sorted((tmp_path / 'tfds').rglob('*'))

@@ -289,7 +289,7 @@ def main(argv):
   except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
   lock = lock_workdir(workdir) if jax.process_index() == 0 else None
-  from vit_jax.data import sources
+  from vit_jax.data import shards
   from vit_jax.training import state_checkpoints
   from vit_jax.training import trainer  # It imports TensorFlow.
   peers = (heartbeats.PeerWatch(functools.partial(exit_for_gone_process, workdir)).start()
@@ -298,7 +298,7 @@ def main(argv):
     metrics = trainer.train_and_evaluate(config, workdir)
   except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
-  except sources.DataError as e:  # A training image that does not decode.
+  except shards.DataError as e:  # A training image that does not decode.
     sys.exit(f'Data error: {e}')
   except trainer.NonFiniteError as e:
     sys.exit(f'Training stopped: {e}')

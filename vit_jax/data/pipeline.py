@@ -40,18 +40,22 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import tensorflow as tf
 
-from vit_jax.data import randaugment
+from vit_jax.data import image_ops
+from vit_jax.data import shards
 from vit_jax.data import sources
 
+
 EMBEDDED_DATASET = sources.EMBEDDED_DATASET
-INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.
-INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
+
+
 _ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
-_RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
+
+
 _FOREVER = 2**62  # Number of training epochs.
+
+
 # The config fields the training order depends on: a resumed run must use the same values.
 ORDER_FIELDS = ('dataset', 'train_split', 'seed', 'batch')
-
 Batch = dict[str, Any]
 
 
@@ -88,96 +92,6 @@ def num_examples(config, split: str) -> int:
   return sources.get_source(config).num_examples(split)
 
 
-# Preprocessing.
-
-
-def to_unit_range(image: tf.Tensor) -> tf.Tensor:
-  """Pixel values in [0, 255] -> float32 in [-1, 1]."""
-  return tf.cast(image, tf.float32) / 127.5 - 1
-
-
-def resize(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3) -> float32 (size, size, 3), bilinear."""
-  return tf.image.resize(image, [size, size], method='bilinear')
-
-
-def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3) -> float32 (h', w', 3) with min(h', w') = size, keeping the aspect."""
-  shape = tf.cast(tf.shape(image)[:2], tf.float32)
-  new_shape = tf.maximum(tf.cast(tf.round(shape * size / tf.reduce_min(shape)), tf.int32), size)
-  return tf.image.resize(image, new_shape, method='bilinear')
-
-
-def central_crop(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3), both >= size -> (size, size, 3) from the centre."""
-  return tf.image.resize_with_crop_or_pad(image, size, size)
-
-
-def inception_crop(image: tf.Tensor, key: tf.Tensor,
-                   area_min: float = INCEPTION_AREA_MIN) -> tf.Tensor:
-  """A random crop of `area_min`-100% of the area, aspect ratio in [3/4, 4/3] (Szegedy et al.).
-
-  Args:
-    image: (height, width, channels).
-    key: int64 (2,) stateless random key.
-    area_min: the smallest fraction of the image's area a crop may cover.
-  Returns:
-    (crop_height, crop_width, channels), same dtype, the channels static where the image's are
-    (RandAugment's ops need them).
-  """
-  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=key, min_object_covered=0,
-      area_range=(area_min, 1.0), aspect_ratio_range=INCEPTION_ASPECT_RANGE,
-      use_image_if_no_bounding_boxes=True)
-  crop = tf.slice(image, begin, size)
-  crop.set_shape([None, None, image.shape[-1]])
-  return crop
-
-
-def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`:
-  crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8."""
-  crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
-  if pp.get('inception_crop', True):
-    image = inception_crop(image, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
-  image = resize(image, pp.crop)
-  if pp.get('flip', True):
-    image = tf.image.stateless_random_flip_left_right(image, flip_key)
-  if pp.get('randaug'):
-    randaug_key = tf.random.experimental.stateless_fold_in(key, _RANDAUG)
-    image = randaugment.randaugment(randaugment.to_uint8(image), randaug_key, *pp.randaug)
-  return to_unit_range(image)
-
-
-def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1]."""
-  if pp.get('resize'):
-    image = central_crop(resize_short_side(image, pp.resize), pp.crop)
-  else:
-    image = resize(image, pp.crop)
-  return to_unit_range(tf.ensure_shape(image, [pp.crop, pp.crop, 3]))
-
-
-def _check_pp(pp):
-  if pp.get('resize') and pp.resize < pp.crop:
-    raise ValueError(f'config.pp.resize={pp.resize} is smaller than config.pp.crop={pp.crop}: '
-                     'the central crop must fit; set pp.resize >= pp.crop, or None to resize '
-                     'straight to pp.crop.')
-
-
-# Order.
-
-
-def random_key(seed: int, stream: int, purpose: int, n: tf.Tensor) -> tf.Tensor:
-  """The stateless random key (int64 (2,)) for epoch or position `n` of a stream.
-
-  `stream` is 0 for the one stream of a random-access source, the process index for tfds.
-  """
-  key = tf.constant([seed, stream], tf.int64)
-  key = tf.random.experimental.stateless_fold_in(key, purpose)
-  return tf.random.experimental.stateless_fold_in(key, n)
-
-
 def local_batch_size(config, field: str, process_count: int) -> int:
   """`config.<field>` (a global batch size) divided among `process_count` processes."""
   global_batch = config[field]
@@ -187,7 +101,7 @@ def local_batch_size(config, field: str, process_count: int) -> int:
   return global_batch // process_count
 
 
-def _shard(source, split: str, process_index: int, process_count: int) -> sources.Shard:
+def _shard(source, split: str, process_index: int, process_count: int) -> shards.Shard:
   shard = source.shard(split, process_index, process_count)
   if not shard.num_examples:
     share = f' for process {process_index} of {process_count}' if process_count > 1 else ''
@@ -212,7 +126,7 @@ def train_dataset(config, *, process_index: int, process_count: int,
     Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,)}` with
     b = config.batch // process_count.
   """
-  _check_pp(config.pp)
+  image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch', process_count)
   source = sources.get_source(config)
   if source.random_access:  # One stream of global batches; this process takes its rows of each.
@@ -225,7 +139,7 @@ def train_dataset(config, *, process_index: int, process_count: int,
   first_epoch, offset = divmod(first_position, shard.num_examples)
 
   def epoch(n):
-    return shard.epoch(random_key(config.seed, stream, _ORDER, n))
+    return shard.epoch(image_ops.random_key(config.seed, stream, _ORDER, n))
 
   def is_own_row(position, record):
     del record
@@ -233,8 +147,8 @@ def train_dataset(config, *, process_index: int, process_count: int,
     return (row >= first_row) & (row < first_row + batch)
 
   def preprocess(position, record):
-    key = random_key(config.seed, stream, _AUGMENT, position)
-    image = preprocess_train(shard.decode(record['image']), key, config.pp)
+    key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
+    image = image_ops.preprocess_train(shard.decode(record['image']), key, config.pp)
     return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch).skip(offset)
@@ -251,14 +165,14 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
     'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask` is 1 for real
     examples and 0 for padding. Every process yields ceil(largest share / b) batches.
   """
-  _check_pp(config.pp)
+  image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch_eval', process_count)
   source = sources.get_source(config)
   shard = _shard(source, config.test_split, process_index, process_count)
   num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
 
   def preprocess(record):
-    return {'image': preprocess_eval(shard.decode(record['image']), config.pp),
+    return {'image': image_ops.preprocess_eval(shard.decode(record['image']), config.pp),
             'label': tf.cast(record['label'], tf.int32), 'mask': tf.constant(1.0)}
 
   padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
@@ -295,9 +209,6 @@ def eval_batches(config, *, process_index: int = 0, process_count: int = 1) -> I
   """`eval_dataset` as numpy batches: this process's share of each global batch."""
   dataset = eval_dataset(config, process_index=process_index, process_count=process_count)
   return _numpy_batches(dataset, config, config.test_split)
-
-
-# Devices.
 
 
 def _check_process_rows(sharding: NamedSharding, global_batch: int):

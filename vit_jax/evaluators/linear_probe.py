@@ -247,7 +247,7 @@ def selected_images(config, split: str, positions: np.ndarray, batch: int) -> It
   """Preprocessed images at the sorted `positions` of `split`, in batches of `batch`:
   float32 (b, crop, crop, 3), b <= batch."""
   import tensorflow as tf
-  from vit_jax.data import pipeline
+  from vit_jax.data import image_ops
   from vit_jax.data import sources
   shard = sources.get_source(config).shard(split, 0, 1)
   wanted = np.zeros(shard.num_examples, bool)
@@ -260,7 +260,7 @@ def selected_images(config, split: str, positions: np.ndarray, batch: int) -> It
 
   def preprocess(position, record):
     del position
-    return pipeline.preprocess_eval(shard.decode(record['image']), config.pp)
+    return image_ops.preprocess_eval(shard.decode(record['image']), config.pp)
 
   images = shard.epoch(None).enumerate().filter(is_wanted).map(
       preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -178,7 +178,7 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
   # Imported here: only these formats need TensorFlow.
   import tensorflow as tf
   from jax.experimental import jax2tf
-  from vit_jax.data import pipeline
+  from vit_jax.data import image_ops
   polymorphic = batch_size is None
   apply = jax2tf.convert(
       lambda p, x: model.apply({'params': p}, x, train=False), with_gradient=False,
@@ -189,8 +189,8 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
 
   @tf.function(autograph=False)
   def logits(images):
-    images = pipeline.resize(tf.cast(images, tf.float32), image_size)
-    return {'logits': apply(module.params, pipeline.to_unit_range(images))}
+    images = image_ops.resize(tf.cast(images, tf.float32), image_size)
+    return {'logits': apply(module.params, image_ops.to_unit_range(images))}
 
   shape = [None, None, None, 3] if polymorphic else [batch_size, image_size, image_size, 3]
   module.serving_default = logits.get_concrete_function(

@@ -1,0 +1,97 @@
+"""Per-image preprocessing in TensorFlow: pixels to [-1, 1], resizes and crops (the Inception
+crop of training, the central crop of evaluation), flips and RandAugment, each keyed by the
+image's own random key so that a resumed run sees the same augmentations.
+"""
+
+import tensorflow as tf
+
+from vit_jax.data import randaugment
+
+
+INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.
+INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
+_RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
+
+
+def to_unit_range(image: tf.Tensor) -> tf.Tensor:
+  """Pixel values in [0, 255] -> float32 in [-1, 1]."""
+  return tf.cast(image, tf.float32) / 127.5 - 1
+
+
+def resize(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3) -> float32 (size, size, 3), bilinear."""
+  return tf.image.resize(image, [size, size], method='bilinear')
+
+
+def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3) -> float32 (h', w', 3) with min(h', w') = size, keeping the aspect."""
+  shape = tf.cast(tf.shape(image)[:2], tf.float32)
+  new_shape = tf.maximum(tf.cast(tf.round(shape * size / tf.reduce_min(shape)), tf.int32), size)
+  return tf.image.resize(image, new_shape, method='bilinear')
+
+
+def central_crop(image: tf.Tensor, size: int) -> tf.Tensor:
+  """(height, width, 3), both >= size -> (size, size, 3) from the centre."""
+  return tf.image.resize_with_crop_or_pad(image, size, size)
+
+
+def inception_crop(image: tf.Tensor, key: tf.Tensor,
+                   area_min: float = INCEPTION_AREA_MIN) -> tf.Tensor:
+  """A random crop of `area_min`-100% of the area, aspect ratio in [3/4, 4/3] (Szegedy et al.).
+
+  Args:
+    image: (height, width, channels).
+    key: int64 (2,) stateless random key.
+    area_min: the smallest fraction of the image's area a crop may cover.
+  Returns:
+    (crop_height, crop_width, channels), same dtype, the channels static where the image's are
+    (RandAugment's ops need them).
+  """
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=key, min_object_covered=0,
+      area_range=(area_min, 1.0), aspect_ratio_range=INCEPTION_ASPECT_RANGE,
+      use_image_if_no_bounding_boxes=True)
+  crop = tf.slice(image, begin, size)
+  crop.set_shape([None, None, image.shape[-1]])
+  return crop
+
+
+def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
+  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`:
+  crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8."""
+  crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+  if pp.get('inception_crop', True):
+    image = inception_crop(image, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
+  image = resize(image, pp.crop)
+  if pp.get('flip', True):
+    image = tf.image.stateless_random_flip_left_right(image, flip_key)
+  if pp.get('randaug'):
+    randaug_key = tf.random.experimental.stateless_fold_in(key, _RANDAUG)
+    image = randaugment.randaugment(randaugment.to_uint8(image), randaug_key, *pp.randaug)
+  return to_unit_range(image)
+
+
+def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
+  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1]."""
+  if pp.get('resize'):
+    image = central_crop(resize_short_side(image, pp.resize), pp.crop)
+  else:
+    image = resize(image, pp.crop)
+  return to_unit_range(tf.ensure_shape(image, [pp.crop, pp.crop, 3]))
+
+
+def check_pp(pp):
+  if pp.get('resize') and pp.resize < pp.crop:
+    raise ValueError(f'config.pp.resize={pp.resize} is smaller than config.pp.crop={pp.crop}: '
+                     'the central crop must fit; set pp.resize >= pp.crop, or None to resize '
+                     'straight to pp.crop.')
+
+
+def random_key(seed: int, stream: int, purpose: int, n: tf.Tensor) -> tf.Tensor:
+  """The stateless random key (int64 (2,)) for epoch or position `n` of a stream.
+
+  `stream` is 0 for the one stream of a random-access source, the process index for tfds.
+  """
+  key = tf.constant([seed, stream], tf.int64)
+  key = tf.random.experimental.stateless_fold_in(key, purpose)
+  return tf.random.experimental.stateless_fold_in(key, n)

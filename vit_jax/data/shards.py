@@ -1,0 +1,134 @@
+"""What every source of images shares: `DataError` (an image that does not decode, one line
+naming it), the split strings of tfds (`split_names`), each process's share of a split
+(`Shard`, `shard_bounds`), and `ArraySource`, images held as arrays.
+"""
+import dataclasses
+import functools
+import hashlib
+import re
+import types
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+
+class DataError(ValueError):
+  """Images that cannot be read; the message is one line naming them and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """One process's share of a split, or the whole split.
+
+  Attributes:
+    num_examples: number of examples in the share.
+    epoch: `key -> tf.data.Dataset` of one pass over the share as records
+      `{'image': undecoded image, 'label': int64 ()}`; shuffled by the stateless key (int64 (2,))
+      or, for `key=None`, in the stored order.
+    decode: undecoded image -> uint8 (height, width, 3).
+  """
+  num_examples: int
+  epoch: Callable[[Optional[tf.Tensor]], tf.data.Dataset]
+  decode: Callable[[tf.Tensor], tf.Tensor]
+
+
+def shard_bounds(num_examples: int, process_index: int, process_count: int) -> tuple[int, int]:
+  """[start, end) of the contiguous share of process `process_index` of `process_count`."""
+  return (num_examples * process_index // process_count,
+          num_examples * (process_index + 1) // process_count)
+
+
+def short_message(error: tf.errors.OpError) -> str:
+  """The first line of a TensorFlow error message, without the names of internal functions."""
+  return re.sub(r'\{\{.*?\}\}', '', error.message).strip().split('\n')[0]
+
+
+def split_names(split: str) -> list[str]:
+  """The split names a split string reads: `'train[:90%]+test'` -> `['train', 'test']`."""
+  return [part.split('[')[0].strip() for part in split.split('+')]
+
+
+def _absolute_slices(split: str, sizes: dict[str, int]) -> list[tuple[str, slice]]:
+  """Resolves a tfds split string against split sizes into (split name, slice) pairs."""
+  infos = {name: types.SimpleNamespace(num_examples=n) for name, n in sizes.items()}
+  instructions = tfds.core.ReadInstruction.from_spec(split).to_absolute(infos)
+  return [(i.splitname, slice(i.from_, i.to)) for i in instructions]
+
+
+class ArraySource:
+  """A source with random access: every split is an array of items and an array of labels.
+
+  Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
+  paths for image folders. The epoch order is a stateless permutation of the share.
+  """
+  random_access = True
+
+  def __init__(self, name: str, label_names: list[str],
+               load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
+               decode: Callable[[tf.Tensor], tf.Tensor]):
+    self.name = name
+    self.label_names = label_names
+    self._load_split = functools.cache(load_split)
+    self._decode = decode
+
+  def select(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(items, labels) of a split string, e.g. `'train[:98%]'`."""
+    sizes = {name: len(self._load_split(name)[1]) for name in split_names(split)}
+    try:
+      slices = _absolute_slices(split, sizes)
+    except ValueError as e:
+      raise ValueError(
+          f'Bad split {split!r} for {self.name!r} (split sizes: {sizes}): {e}') from None
+    parts = [(self._load_split(name)[0][s], self._load_split(name)[1][s]) for name, s in slices]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+  def num_examples(self, split: str) -> int:
+    return len(self.select(split)[1])
+
+  def labels(self, split: str) -> np.ndarray:
+    """int64 (N,): the labels of `split` in stored order."""
+    return self.select(split)[1].astype(np.int64)
+
+  def fingerprint(self, split: str) -> dict:
+    """JSON: what the order of `split` depends on, {'examples': n, 'sha256': of its items and
+    labels} (a folder's: the file list, relative to the folder, and the labels)."""
+    items, labels = self.select(split)
+    digest = hashlib.sha256(labels.tobytes())
+    digest.update(self._item_bytes(items))
+    return {'examples': len(labels), 'sha256': digest.hexdigest()}
+
+  def _item_bytes(self, items: np.ndarray) -> bytes:
+    return items.tobytes()
+
+  def shard_sizes(self, split: str, process_count: int) -> list[int]:
+    """Number of examples in the share of each process."""
+    bounds = [shard_bounds(self.num_examples(split), p, process_count)
+              for p in range(process_count)]
+    return [end - start for start, end in bounds]
+
+  def shard(self, split: str, process_index: int, process_count: int) -> Shard:
+    items, labels = self.select(split)
+    start, end = shard_bounds(len(labels), process_index, process_count)
+    items = tf.constant(items[start:end])
+    labels = tf.constant(labels[start:end], tf.int64)
+
+    def epoch(key):
+      order = tf.range(end - start)
+      if key is not None:
+        order = tf.random.experimental.stateless_shuffle(order, seed=key)
+      return tf.data.Dataset.from_tensor_slices(order).map(
+          lambda i: {'image': tf.gather(items, i), 'label': tf.gather(labels, i)})
+
+    return Shard(end - start, epoch, self._decode)
+
+  def check_decodable(self, split: str) -> None:
+    """Raises the `decode_error` of the first image of `split` that does not decode; arrays of
+    pixels always do."""
+    del split
+
+  def decode_error(self, split: str, error: tf.errors.OpError) -> Exception:
+    """The error to raise when decoding an image of `split` failed with `error`."""
+    del split  # Arrays of pixels always decode.
+    return DataError(f'Cannot read an image of dataset {self.name!r}: {short_message(error)}')
