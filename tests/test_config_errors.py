@@ -25,6 +25,7 @@ from vit_jax import errors
 from vit_jax.checkpoints import convert
 from vit_jax.checkpoints import runs
 from vit_jax.config import checks
+from vit_jax.config import fields
 from vit_jax.config import defaults
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
@@ -67,9 +68,9 @@ def test_every_numeric_config_field_has_a_range():
       defaults.with_model(defaults.training_defaults(), name) for name in registry.MODEL_CONFIGS]
   numeric = set().union(*(fields_of(config, (int, float)) for config in configs))
   assert {'keep_checkpoints', 'pp.resize', 'model.transformer.num_heads'} <= numeric
-  assert numeric - set(defaults.FIELD_RANGES) == set()  # A new numeric field needs its range.
+  assert numeric - set(fields.FIELD_RANGES) == set()  # A new numeric field needs its range.
   # And the table names no other fields ('model.representation_size' is a plain None in most).
-  assert set(defaults.FIELD_RANGES) - set().union(*map(fields_of, configs)) == set()
+  assert set(fields.FIELD_RANGES) - set().union(*map(fields_of, configs)) == set()
 
 
 @pytest.mark.parametrize('field, value, message', [
@@ -98,15 +99,15 @@ def test_a_value_out_of_its_range_is_a_one_line_config_error(field, value, messa
 
 def test_a_value_of_another_type_is_refused_naming_the_type():
   # A config file may build its ConfigDict without the defaults' field types.
-  assert checks.range_error('batch', 512.0, defaults.FIELD_RANGES['batch']) == (
+  assert checks.range_error('batch', 512.0, fields.FIELD_RANGES['batch']) == (
       'config.batch=512.0 must be an integer greater than 0.')
-  assert checks.range_error('base_lr', '0.1', defaults.FIELD_RANGES['base_lr']) == (
+  assert checks.range_error('base_lr', '0.1', fields.FIELD_RANGES['base_lr']) == (
       "config.base_lr='0.1' must be a number greater than 0.")
-  assert checks.range_error('base_lr', True, defaults.FIELD_RANGES['base_lr']) is not None
+  assert checks.range_error('base_lr', True, fields.FIELD_RANGES['base_lr']) is not None
   # The values that the ranges take, their special ones included.
   for field, value in (('mesh.data', -1), ('val_every', None), ('keep_checkpoints', 0),
                        ('base_lr', 3), ('ema_decay', 0.0), ('pp.area_min', 1.0)):
-    assert checks.range_error(field, value, defaults.FIELD_RANGES[field]) is None
+    assert checks.range_error(field, value, fields.FIELD_RANGES[field]) is None
 
 
 def test_config_error_lives_in_errors_which_imports_nothing_of_vit_jax():

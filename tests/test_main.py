@@ -25,6 +25,7 @@ from helpers import tiny_config
 from helpers import xla_flags
 from vit_jax import main
 from vit_jax.checkpoints import npz
+from vit_jax.config import fields
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import analysis
@@ -138,14 +139,14 @@ def test_help_exits_0_and_lists_the_config_fields_with_values_and_meanings():
   assert '--workdir' in out
   assert '--config.total_steps=60 ' in out  # The value of tests/tiny_config.py.
   assert "--config.pp.crop=28 " in out
-  for meaning in defaults.FIELD_HELP.values():
+  for meaning in fields.FIELD_HELP.values():
     assert meaning in out
 
 
 def test_every_config_field_has_a_meaning():
   config = defaults.training_defaults()
   config.model = None  # Described by model_name, whose registry entry fills it.
-  assert set(workdir.flatten_config(config)) == set(defaults.FIELD_HELP) | {'model'}
+  assert set(workdir.flatten_config(config)) == set(fields.FIELD_HELP) | {'model'}
 
 
 def test_misspelt_config_field_is_one_line_naming_the_close_match():

@@ -29,6 +29,7 @@ from vit_jax import gone_process
 from vit_jax import hardware
 from vit_jax import heartbeats
 from vit_jax.config import checks
+from vit_jax.config import fields
 from vit_jax.config import defaults as default_config
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
@@ -192,7 +193,7 @@ def config_file_error(argv: list[str]) -> str | None:
 def config_help(config: ml_collections.ConfigDict) -> str:
   """The fields of `config`, one a line: `--config.FIELD=VALUE  meaning`."""
   lines = ['Config fields, with the values of this config (set one with --config.FIELD=VALUE):']
-  for field, meaning in default_config.FIELD_HELP.items():
+  for field, meaning in fields.FIELD_HELP.items():
     value = checks.field_at(config, field)
     lines.append(f'  {f"--config.{field}={value!r}":<36} {meaning}')
   return '\n'.join(lines)

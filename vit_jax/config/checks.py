@@ -19,11 +19,12 @@ from vit_jax import sharding
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
+from vit_jax.config import fields
 from vit_jax.errors import ConfigError  # Re-exported: callers catch validation.ConfigError.
-from vit_jax.models import positions
-from vit_jax.models import registry
 from vit_jax.models import attention
 from vit_jax.models import encoder
+from vit_jax.models import positions
+from vit_jax.models import registry
 from vit_jax.tasks import mpp
 
 
@@ -80,7 +81,7 @@ def field_at(config: ml_collections.ConfigDict, field: str, missing=None):
   return value
 
 
-def _bounds(allowed: defaults.Range) -> str:
+def _bounds(allowed: fields.Range) -> str:
   """`allowed`'s bounds in words: 'greater than 0', '0 or more', 'in [0, 1)'."""
   low, high = allowed.low, allowed.high
   if high is None:
@@ -90,14 +91,13 @@ def _bounds(allowed: defaults.Range) -> str:
   return f'in {"[("[allowed.low_open]}{low}, {high}{"])"[allowed.high_open]}'
 
 
-
 def _is_kind(value, kind: type) -> bool:
   """Whether `value` is a number of `kind`: an int (not a bool), or for float any real number."""
   return (not isinstance(value, bool) and
           isinstance(value, numbers.Integral if kind is int else numbers.Real))
 
 
-def _in_range(value, allowed: defaults.Range) -> bool:
+def _in_range(value, allowed: fields.Range) -> bool:
   """Whether `value` is a finite number of `allowed.kind` within its bounds."""
   if not (_is_kind(value, allowed.kind) and math.isfinite(value)):
     return False
@@ -113,7 +113,7 @@ def _is_special(value, special) -> bool:
   return _is_kind(value, float) and value == special
 
 
-def range_error(field: str, value, allowed: defaults.Range) -> str | None:
+def range_error(field: str, value, allowed: fields.Range) -> str | None:
   """Why `value` of config `field` is not one `allowed` (vit_jax.config.FIELD_RANGES) takes, in
   one line, or None where it is."""
   special = [(v, meaning, _in_range(v, allowed)) for v, meaning in allowed.special]
@@ -132,7 +132,7 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   the type and range of each numeric field (vit_jax.config.FIELD_RANGES), then the entries of
   config.evals (vit_jax.evaluators.config_error)."""
   absent = object()
-  for field, allowed in defaults.FIELD_RANGES.items():
+  for field, allowed in fields.FIELD_RANGES.items():
     value = field_at(config, field, missing=absent)
     if value is not absent and (error := range_error(field, value, allowed)):
       return error
