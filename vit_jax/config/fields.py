@@ -5,7 +5,6 @@ field, a `Range`, checked by `config.checks` before anything compiles).
 import dataclasses
 from typing import Any
 
-
 from vit_jax.config import defaults
 
 
