@@ -234,22 +234,9 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
         timer_start, timer_step = time.perf_counter(), step
       if step % config.progress_every == 0 or step == config.total_steps:
         check_finite(step, metrics)
-        logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
-        speed = ''
-        if step > timer_step:  # Not on the first step (its time is mostly compilation).
-          elapsed = time.perf_counter() - timer_start
-          images_per_second = (step - timer_step) * config.batch / elapsed
-          logged.update(images_per_second=images_per_second,
-                        mfu=images_per_second * flops_per_image_over_peak)
-          eta = (config.total_steps - step) * elapsed / (step - timer_step)
-          speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
-                   f'ETA {_format_seconds(eta)}')
+        logged = log_progress(config, step, metrics, (timer_start, timer_step),
+                              flops_per_image_over_peak)
         writer.write_scalars(step, logged)
-        objective = ''.join(f', {name[len("train_"):].replace("_", " ")} {value:.4f}'
-                            for name, value in logged.items()
-                            if name.startswith('train_') and name != 'train_loss')
-        logging.info('step %d/%d: loss %.4f%s%s', step, config.total_steps, logged['train_loss'],
-                     objective, speed, extra={'progress': (step, config.total_steps)})  # tty bar.
         last_metrics.update(logged)
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
@@ -284,6 +271,30 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
       e.final_state = state
     raise
   return state, last_metrics
+
+
+def log_progress(config, step: int, metrics: dict, since: tuple[float, int],
+                 flops_per_image_over_peak: float) -> dict[str, float]:
+  """Logs the line of `step` (its losses, and images/s, MFU and ETA measured from `since`, a
+  (time.perf_counter() seconds, step) pair, where `step` is past it); returns its metrics as
+  host floats, the speed included."""
+  logged = {k: v for k, v in jax.device_get(metrics).items() if k != 'finite'}
+  speed = ''
+  start, start_step = since
+  if step > start_step:  # Not on the first step (its time is mostly compilation).
+    elapsed = time.perf_counter() - start
+    images_per_second = (step - start_step) * config.batch / elapsed
+    logged.update(images_per_second=images_per_second,
+                  mfu=images_per_second * flops_per_image_over_peak)
+    eta = (config.total_steps - step) * elapsed / (step - start_step)
+    speed = (f', {images_per_second:.0f} img/s, MFU {logged["mfu"]:.3f}, '
+             f'ETA {_format_seconds(eta)}')
+  objective = ''.join(f', {name[len("train_"):].replace("_", " ")} {value:.4f}'
+                      for name, value in logged.items()
+                      if name.startswith('train_') and name != 'train_loss')
+  logging.info('step %d/%d: loss %.4f%s%s', step, config.total_steps, logged['train_loss'],
+               objective, speed, extra={'progress': (step, config.total_steps)})  # tty bar.
+  return logged
 
 
 def evaluate_due(config, step: int, state: TrainState, evals: list[evaluators.Evaluator],
