@@ -10,6 +10,7 @@ vit_jax.NAME` runs as before (vit_jax/predict.py and its like); `vit_jax.models`
 `vit_jax.config`, now packages, forward their old names (`vit_jax.models.get_model`).
 """
 import importlib
+import importlib.util
 import warnings
 
 # {old name: new module}
@@ -34,6 +35,25 @@ MOVED = {
     'train_step': 'vit_jax.training.step',
     'validation': 'vit_jax.config.checks',
 }
+
+
+def forward_old_names(package: str, sources: tuple[str, ...]):
+  """The `__getattr__` of `package` (vit_jax.models, vit_jax.config), once a module: it finds
+  an old name in the modules `sources` that now hold it, with a DeprecationWarning; submodules
+  stay the import system's."""
+
+  def getattr_(name: str):
+    if importlib.util.find_spec(f'{package}.{name}') is not None:
+      raise AttributeError(name)  # A submodule not yet imported: the import system takes it.
+    for source in sources:
+      module = importlib.import_module(source)
+      if not name.startswith('_') and hasattr(module, name):
+        warnings.warn(f'{package}.{name} is now {source}.{name}.', DeprecationWarning,
+                      stacklevel=2)
+        return getattr(module, name)
+    raise AttributeError(f'module {package!r} has no attribute {name!r}')
+
+  return getattr_
 
 
 def __getattr__(name: str):
