@@ -29,6 +29,7 @@ from vit_jax import hardware
 from vit_jax import input_pipeline
 from vit_jax import model_init
 from vit_jax import models
+from vit_jax import param_groups
 from vit_jax import registry
 from vit_jax import summaries
 from vit_jax.errors import ConfigError
@@ -258,6 +259,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if config.pretrained_path:
     params = load_pretrained_params(config, model)
   state, shardings = create_train_state(config, model, optimizer, mesh, config.pp.crop, params)
+  if param_groups.is_set(config):
+    logging.info('%s', param_groups.summary(config, state.params))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   try:
     state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)

@@ -19,7 +19,9 @@ from vit_jax import checkpoint
 from vit_jax import config as defaults
 from vit_jax import models
 from vit_jax import models_vit
+from vit_jax import model_init
 from vit_jax import mpp
+from vit_jax import param_groups
 from vit_jax import positions
 from vit_jax import published
 from vit_jax import registry
@@ -182,6 +184,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
+  if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
+    named = model.clone(posemb=config.posemb)
+    if config.objective == 'masked_patch_prediction':
+      named = mpp.with_mpp(named, config.mpp.target)
+    if error := param_groups.config_error(config, model_init.param_shapes(named, config.pp.crop)):
+      raise ConfigError(error)
 
 
 def pretrained_file(config: ml_collections.ConfigDict) -> str:
