@@ -119,8 +119,8 @@ def test_lr_mults_first_match_wins():
                              "'Transformer/encoderblock_{i}/...', scanned or not)."),
     ({'frozen': '.'}, "config.frozen='.' freezes every parameter: leave some trainable, e.g. "
                       "'^(?!head)' trains the head only."),
-    ({'layer_decay': 1.5}, 'config.layer_decay=1.5 must be 0 (off) or None (off) or in (0, 1].'),
-    ({'layer_decay': -0.5}, 'config.layer_decay=-0.5 must be 0 (off) or None (off) or in (0, 1].'),
+    ({'layer_decay': 1.5}, 'config.layer_decay=1.5 must be None (off) or 0 (off) or in (0, 1].'),
+    ({'layer_decay': -0.5}, 'config.layer_decay=-0.5 must be None (off) or 0 (off) or in (0, 1].'),
     ({'lr_mults': (('^head', -1.0),)}, "config.lr_mults entry ('^head', -1.0): the multiplier "
                                        'must be a finite number >= 0.'),
     ({'lr_mults': (('^head[', 2.0),)}, "config.lr_mults entry ('^head[', 2.0) is not a valid "

@@ -185,7 +185,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
   if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
-    named = model.clone(posemb=config.posemb)
+    named = model.clone(posemb=config.posemb, scan_layers=config.scan_layers)
     if config.objective == 'masked_patch_prediction':
       named = mpp.with_mpp(named, config.mpp.target)
     if error := param_groups.config_error(config, model_init.param_shapes(named, config.pp.crop)):
