@@ -76,8 +76,7 @@ def test_layer_decay_multipliers_match_hand_computed_ones():
     assert {group: mult for group, _, mult in param_groups.table(params, decay=0.5)} == expected
     # The transformation scales real updates so: a scanned leaf layer by layer.
     ones = jax.tree.map(lambda x: jnp.ones(x.shape), params)
-    scaled, _ = param_groups.scale_by_multipliers(None, 0.5, 2).update(ones, None)
-    scaled = flat(scaled)
+    scaled = flat(param_groups.scale_updates(ones, None, 0.5, 2))
     for name, mult in (('cls', 0.125), ('embedding/kernel', 0.125),
                        ('Transformer/posembed_input/pos_embedding', 0.125),
                        ('Transformer/encoder_norm/scale', 1.0), ('head/kernel', 1.0)):
@@ -139,15 +138,17 @@ def test_config_errors_are_one_line(overrides, message):
 
 
 def test_a_linear_probe_from_the_command_line(tmp_path):
-  # Frozen but the head; trained 4 steps with a checkpoint at 2, then resumed to 6.
+  # Frozen but the head; trained 4 steps with a checkpoint at 2 and 4, then resumed to 6 with
+  # another layer decay (the optimiser state does not depend on the multipliers).
   command = [sys.executable, '-m', 'vit_jax.main', f'--config={helpers.TINY_CONFIG}',
-             f'--workdir={tmp_path}', '--config.frozen=^(?!head)', '--config.layer_decay=0.5',
+             f'--workdir={tmp_path}', '--config.frozen=^(?!head)',
              '--config.test_split=test[:200]', '--config.checkpoint_every=2',
              '--config.eval_every=4', '--config.progress_every=2']
   env = {**os.environ, 'XLA_FLAGS': helpers.xla_flags(1)}
-  for total in (4, 6):
-    result = subprocess.run([*command, f'--config.total_steps={total}'], capture_output=True,
-                            text=True, env=env, timeout=300, check=False)
+  for total, decay in ((4, 0.5), (6, 0.75)):
+    result = subprocess.run([*command, f'--config.total_steps={total}',
+                             f'--config.layer_decay={decay}'], capture_output=True, text=True,
+                            env=env, timeout=300, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert ('Parameter groups: 13,920 parameters frozen, 330 trainable, learning-rate '

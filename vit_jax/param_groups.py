@@ -136,35 +136,36 @@ def is_set(config) -> bool:
   return bool(config.get('lr_mults') or config.get('layer_decay') or config.get('frozen'))
 
 
-def scale_by_multipliers(lr_mults, decay, layers: int) -> optax.GradientTransformation:
-  """A stateless optax transformation multiplying each update leaf by its `leaf_multipliers`
-  (a scanned leaf (L, ...) by a vector along its layer axis). Leaves are named by their paths,
-  so it works inside optax.masked / multi_transform, whose masked trees keep the paths."""
+def scale_updates(updates, lr_mults, decay, layers: int):
+  """`updates` with each leaf multiplied by its `leaf_multipliers` (a scanned leaf (L, ...) by a
+  vector along its layer axis). Leaves are named by their paths, so it works on the masked
+  trees of optax.masked / multi_transform too, which keep the paths."""
 
-  def update(updates, state, params=None):
-    del params
+  def scale(path, u):
+    mults = leaf_multipliers(path_name(path), layers, lr_mults, decay)
+    if np.all(mults == 1):
+      return u
+    return u * jnp.asarray(mults, u.dtype).reshape(mults.shape + (1,) * (u.ndim - mults.ndim))
 
-    def scale(path, u):
-      mults = leaf_multipliers(path_name(path), layers, lr_mults, decay)
-      if np.all(mults == 1):
-        return u
-      return u * jnp.asarray(mults, u.dtype).reshape(mults.shape + (1,) * (u.ndim - mults.ndim))
-
-    return jax.tree_util.tree_map_with_path(scale, updates), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  return jax.tree_util.tree_map_with_path(scale, updates)
 
 
 def transform(inner: optax.GradientTransformation, config) -> optax.GradientTransformation:
   """`inner` (clipping and the optimiser) with config.lr_mults and config.layer_decay scaling
-  its updates, and config.frozen's parameters split off to optax.set_to_zero, so that `inner`
+  its updates (`scale_updates`; the state stays `inner`'s, so that checkpoints resume with other
+  multipliers), and config.frozen's parameters split off to optax.set_to_zero, so that `inner`
   (its clipping norm, its state, its weight decay) sees the trainable parameters only; `inner`
-  itself when none of the three is set (the optimiser state of older checkpoints)."""
+  itself when none of the three is set."""
   if not is_set(config):
     return inner
+  lr_mults, decay = config.get('lr_mults'), config.get('layer_decay')
   layers = config.model.transformer.num_layers
-  scaled = optax.chain(inner, scale_by_multipliers(config.get('lr_mults'),
-                                                   config.get('layer_decay'), layers))
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, state, params)
+    return scale_updates(updates, lr_mults, decay, layers), state
+
+  scaled = optax.GradientTransformation(inner.init, update)
   if not config.get('frozen'):
     return scaled
   return optax.multi_transform({TRAINABLE: scaled, FROZEN: optax.set_to_zero()},
