@@ -137,6 +137,23 @@ def test_config_errors_are_one_line(overrides, message):
   assert str(error.value) == message
 
 
+def test_a_resume_keeps_frozen_but_may_change_the_multipliers(tmp_path):
+  import json
+  from vit_jax import train
+  config = helpers.tiny_config()
+  train.write_config(config, str(tmp_path))
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  for field in ('lr_mults', 'layer_decay', 'frozen'):
+    del saved[field]  # As a version without them wrote it.
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert train.resume_mismatches(config, str(tmp_path)) == []
+  config.layer_decay, config.lr_mults = 0.75, (('^head', 10.0),)
+  assert train.resume_mismatches(config, str(tmp_path)) == []
+  config.frozen = '^(?!head)'
+  assert train.resume_mismatches(config, str(tmp_path)) == [
+      "frozen (saved 'None', now '^(?!head)')"]
+
+
 def test_a_linear_probe_from_the_command_line(tmp_path):
   # Frozen but the head; trained 4 steps with a checkpoint at 2 and 4, then resumed to 6 with
   # another layer decay (the optimiser state does not depend on the multipliers).
