@@ -15,6 +15,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from vit_jax.models import blank
+from vit_jax.training import param_groups
 from vit_jax import sharding
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
@@ -182,6 +184,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
+  if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
+    named = model.clone(posemb=config.posemb, scan_layers=config.scan_layers)
+    if config.objective == 'masked_patch_prediction':
+      named = mpp.with_mpp(named, config.mpp.target)
+    if error := param_groups.config_error(config, blank.param_shapes(named, config.pp.crop)):
+      raise ConfigError(error)
 
 
 def pretrained_file(config: ml_collections.ConfigDict) -> str:

@@ -74,6 +74,12 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
+  # Per-parameter learning rates and freezing (vit_jax/training/param_groups.py): (regex,
+  # multiplier) pairs over '/'-joined parameter paths, first match wins; layer-wise decay; a
+  # regex of the frozen.
+  config.lr_mults = ()
+  config.layer_decay = ml_collections.FieldReference(None, field_type=float)  # None or 0: off.
+  config.frozen = ml_collections.FieldReference(None, field_type=str)  # None: none frozen.
   # Mixup of each training batch with itself rolled by one, ratio ~ Beta(p, p) (train_step.mixup).
   config.mixup = ml_collections.ConfigDict({'p': 0.0})
   # Exponential moving average of the weights, evaluated beside them and exported as model.npz.
@@ -115,7 +121,7 @@ def training_defaults() -> ml_collections.ConfigDict:
       'test': objective_entry(config.get_ref('test_split')),
       # Of a minival split held out of train_split, e.g. 'train[98%:]'; None: off.
       'val': objective_entry(ml_collections.FieldReference(None, field_type=str)),
-      # Few-shot linear evaluation of the frozen representation (vit_jax/fewshot.py).
+      # Few-shot linear evaluation of the frozen representation (evaluators/linear_probe.py).
       'fewshot': {'type': 'fewshot', **fewshot_fields()},
   })
   return config

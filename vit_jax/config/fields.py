@@ -81,6 +81,14 @@ FIELD_HELP = {
     'weight_decay': "AdamW's decoupled weight decay, on kernels.",
     'grad_clip_norm': 'Clip gradients to this global norm.',
     'label_smoothing': 'Label smoothing of the training loss.',
+    'lr_mults': "Learning-rate multipliers: (regex, multiplier) pairs over '/'-joined parameter "
+                "paths (blocks named 'Transformer/encoderblock_{i}/...', scanned or not), the "
+                "first re.search match winning, e.g. (('^head', 10.0),); others: 1.",
+    'layer_decay': 'Layer-wise learning-rate decay d: block i of L gets d^(L - i), the '
+                   'embeddings d^(L + 1), final norm and head 1 (times lr_mults); None or 0: '
+                   'off.',
+    'frozen': "Regex (re.search) of the parameter paths to freeze: no updates, optimiser state "
+              "or weight decay, e.g. '^(?!head)' (a linear probe); None: none.",
     'mixup.p': 'Mixup: alpha of the Beta(alpha, alpha) mixing ratio of each training batch '
                '(one ratio per step, at least 1/2), e.g. 0.2; 0: off.',
     'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
@@ -172,6 +180,7 @@ FIELD_RANGES = {
     'weight_decay': Range(float, 0),
     'grad_clip_norm': Range(float, 0, open='low'),
     'label_smoothing': FRACTION,
+    'layer_decay': Range(float, 0, 1, open='low', special=((None, 'off'), (0, 'off'))),
     'mixup.p': Range(float, 0),
     'ema_decay': FRACTION,
     'mpp.corruption_rate': Range(float, 0, 1, open='low'),

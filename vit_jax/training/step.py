@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import optax
 
+from vit_jax.training import param_groups
 from vit_jax import sharding
 from vit_jax.models import blank
 from vit_jax.tasks import mpp
@@ -54,7 +55,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 def make_optimizer(config: ml_collections.ConfigDict) -> Optimizer:
   """Global-norm clipping, then momentum SGD (bfloat16 accumulator) or AdamW on kernels, on
-  the schedule of `learning_rate_schedule`."""
+  the schedule of `learning_rate_schedule`; with config.lr_mults, layer_decay or frozen, the
+  updates scaled per parameter and the frozen ones split off (param_groups.transform)."""
   schedule = learning_rate_schedule(config)
   if config.optimizer == 'sgd':
     update = optax.sgd(schedule, momentum=config.momentum, accumulator_dtype=jnp.bfloat16)
@@ -63,7 +65,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> Optimizer:
         lambda path, _: path[-1].key == 'kernel', params)
     update = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay,
                          mask=decay_kernels)
-  chain = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update)
+  chain = param_groups.transform(
+      optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update), config)
   return Optimizer(chain.init, chain.update, schedule)
 
 
@@ -188,7 +191,8 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
     rng = jax.random.fold_in(state.rng, state.step)
     if config.mixup.p:  # A key no micro-batch's dropout takes.
       batch = mixup(jax.random.fold_in(rng, _MIXUP), batch, config.mixup.p, model.num_classes)
-    (loss, objective_metrics), grads = loss_and_grads(state.params, batch, rng)
+    (loss, objective_metrics), grads = loss_and_grads(
+        param_groups.stop_frozen_gradients(state.params, config), batch, rng)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

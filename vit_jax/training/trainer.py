@@ -29,6 +29,7 @@ from vit_jax.models import flops
 from vit_jax.models import registry
 from vit_jax.training import dataset_checks
 from vit_jax.training import fit
+from vit_jax.training import param_groups
 from vit_jax.training import preemption
 from vit_jax.training import summaries
 from vit_jax.training import workdir
@@ -105,6 +106,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if config.pretrained_path:
     params = load_pretrained_params(config, model)
   state, shardings = create_train_state(config, model, optimizer, mesh, config.pp.crop, params)
+  if param_groups.is_set(config):
+    logging.info('%s', param_groups.summary(config, state.params))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   try:
     state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)

@@ -40,13 +40,13 @@ def _flatten(tree: dict) -> dict[str, Any]:
 
 # The config fields a checkpoint's shapes depend on; the data order's are input_pipeline's.
 STATE_FIELDS = ('model', 'pp.crop', 'dataset', 'optimizer', 'scan_layers', 'posemb', 'objective',
-                'mpp.target')
+                'mpp.target', 'frozen')
 
 
 # Fields newer than some saved config.json files: a config that lacks one holds its default
 # (`added_field_defaults`), the value that behaves as the versions without the field did.
 ADDED_FIELDS = ('model.transformer.stochastic_depth', 'model.transformer.stochastic_depth_schedule',
-                'posemb', 'objective', 'mpp.target')
+                'posemb', 'objective', 'mpp.target', 'frozen')
 
 
 def added_field_defaults() -> dict[str, Any]:
