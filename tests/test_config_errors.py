@@ -54,13 +54,13 @@ def last_line(output: str) -> str:
 def fields_of(config: ml_collections.ConfigDict, types=None, prefix: str = '') -> set[str]:
   """The dotted names of the fields of `config` (that hold a value of one of `types`, or None
   where their type is one of them)."""
-  fields = set()
+  names = set()
   for key in config:
     if isinstance(config[key], ml_collections.ConfigDict):
-      fields |= fields_of(config[key], types, f'{prefix}{key}.')
+      names |= fields_of(config[key], types, f'{prefix}{key}.')
     elif types is None or config.get_type(key) in types:  # A bool's type is bool, not int.
-      fields.add(prefix + key)
-  return fields
+      names.add(prefix + key)
+  return names
 
 
 def test_every_numeric_config_field_has_a_range():

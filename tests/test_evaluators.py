@@ -8,7 +8,7 @@ from helpers import read_scalars
 from helpers import tiny_config
 from vit_jax import evaluators
 from vit_jax.config import checks
-from vit_jax.training import workdir
+from vit_jax.training import resume
 from vit_jax.training import trainer
 
 
@@ -88,4 +88,4 @@ def test_the_config_json_of_a_run_older_than_config_evals_resumes(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps(older))
   config = tiny_config(val_split='train[95%:]', val_every=20)  # The same command, rerun.
   checks.validate_config(config, jax.device_count())
-  assert workdir.resume_mismatches(config, str(tmp_path)) == []
+  assert resume.resume_mismatches(config, str(tmp_path)) == []

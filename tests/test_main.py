@@ -29,7 +29,7 @@ from vit_jax.config import fields
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import analysis
-from vit_jax.training import workdir
+from vit_jax.training import resume
 from vit_jax.training import trainer
 
 # Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
@@ -146,7 +146,7 @@ def test_help_exits_0_and_lists_the_config_fields_with_values_and_meanings():
 def test_every_config_field_has_a_meaning():
   config = defaults.training_defaults()
   config.model = None  # Described by model_name, whose registry entry fills it.
-  assert set(workdir.flatten_config(config)) == set(fields.FIELD_HELP) | {'model'}
+  assert set(resume.flatten_config(config)) == set(fields.FIELD_HELP) | {'model'}
 
 
 def test_misspelt_config_field_is_one_line_naming_the_close_match():

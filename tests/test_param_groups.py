@@ -17,6 +17,7 @@ from vit_jax.models import blank
 from vit_jax.models import registry
 from vit_jax.training import param_groups
 from vit_jax.training import step as train_step
+from vit_jax.training import trainer
 
 BLOCK_0 = 'Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel'
 
@@ -140,18 +141,17 @@ def test_config_errors_are_one_line(overrides, message):
 
 def test_a_resume_keeps_frozen_but_may_change_the_multipliers(tmp_path):
   import json
-  from vit_jax import train
   config = helpers.tiny_config()
-  train.write_config(config, str(tmp_path))
+  trainer.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('lr_mults', 'layer_decay', 'frozen'):
     del saved[field]  # As a version without them wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert train.resume_mismatches(config, str(tmp_path)) == []
+  assert trainer.resume_mismatches(config, str(tmp_path)) == []
   config.layer_decay, config.lr_mults = 0.75, (('^head', 10.0),)
-  assert train.resume_mismatches(config, str(tmp_path)) == []
+  assert trainer.resume_mismatches(config, str(tmp_path)) == []
   config.frozen = '^(?!head)'
-  assert train.resume_mismatches(config, str(tmp_path)) == [
+  assert trainer.resume_mismatches(config, str(tmp_path)) == [
       "frozen (saved 'None', now '^(?!head)')"]
 
 

@@ -15,7 +15,7 @@ import helpers
 from vit_jax import console
 from vit_jax.config import defaults
 from vit_jax.models import registry
-from vit_jax.models import attention
+from vit_jax.models import attention as attention_kernels
 from vit_jax.tools import plan
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
@@ -156,7 +156,7 @@ def test_splash_attention_masks_the_padded_tokens_as_softmax_attention_would():
   def softmax_attention(q, k, v):
     return jnp.einsum('bnqt,bntk->bnqk', jax.nn.softmax(jnp.einsum('bnqk,bntk->bnqt', q, k)), v)
 
-  splash = lambda q, k, v: attention.splash_attention(q, k, v, interpret=True)
+  splash = lambda q, k, v: attention_kernels.splash_attention(q, k, v, interpret=True)
   np.testing.assert_allclose(splash(q, k, v), softmax_attention(q, k, v), atol=1e-5)
   weighted = lambda attention: lambda *qkv: jnp.sum(attention(*qkv) * jnp.arange(16.0))
   for got, expected in zip(jax.grad(weighted(splash), argnums=(0, 1, 2))(q, k, v),

@@ -14,7 +14,7 @@ from vit_jax.config import checks
 from vit_jax.models import registry
 from vit_jax.models import encoder
 from vit_jax.models import vit
-from vit_jax.training import workdir
+from vit_jax.training import resume
 
 # 4x4 images in 4x4 patches: one patch and the class token, so that big batches stay cheap.
 TINY = dict(num_classes=3, patch_size=(4, 4), hidden_size=8, mlp_dim=16, num_heads=2,
@@ -178,14 +178,14 @@ def test_a_bad_rate_in_the_config_is_a_config_error_naming_its_field():
 
 def test_a_run_saved_before_stochastic_depth_resumes_without_it(tmp_path):
   config = tiny_config_file.get_config()
-  workdir.write_config(config, str(tmp_path))
+  resume.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('stochastic_depth', 'stochastic_depth_schedule'):
     del saved['model']['transformer'][field]  # As an older version wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert workdir.resume_mismatches(config, str(tmp_path)) == []
+  assert resume.resume_mismatches(config, str(tmp_path)) == []
   config.model.transformer.stochastic_depth = 0.1
-  assert workdir.resume_mismatches(config, str(tmp_path)) == [
+  assert resume.resume_mismatches(config, str(tmp_path)) == [
       'model.transformer.stochastic_depth (saved 0.0, now 0.1)']
 
 
@@ -197,5 +197,5 @@ def test_the_registry_holds_the_one_default_of_each_transformer_field(monkeypatc
   assert config.transformer.stochastic_depth_schedule == 'uniform'
   del config.transformer['stochastic_depth_schedule']
   assert registry.model_kwargs(config)['stochastic_depth_schedule'] == 'uniform'
-  assert workdir.added_field_defaults()['model.transformer.stochastic_depth_schedule'] == 'uniform'
-  assert workdir.added_field_defaults()['posemb'] == 'learned_1d'
+  assert resume.added_field_defaults()['model.transformer.stochastic_depth_schedule'] == 'uniform'
+  assert resume.added_field_defaults()['posemb'] == 'learned_1d'

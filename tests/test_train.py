@@ -23,7 +23,7 @@ from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
 from vit_jax.training import step as train_step
 from vit_jax.training import preemption
-from vit_jax.training import workdir
+from vit_jax.training import resume
 from vit_jax.training import trainer
 
 
@@ -443,13 +443,13 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
 
 def test_a_run_saved_before_posemb_and_objective_resumes_and_changing_them_is_named(tmp_path):
   config = tiny_config()
-  workdir.write_config(config, str(tmp_path))
+  resume.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('posemb', 'objective', 'mpp'):
     del saved[field]  # As an older version wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert workdir.resume_mismatches(config, str(tmp_path)) == []
+  assert resume.resume_mismatches(config, str(tmp_path)) == []
   config.posemb, config.objective = 'sincos_2d', 'masked_patch_prediction'
-  assert workdir.resume_mismatches(config, str(tmp_path)) == [
+  assert resume.resume_mismatches(config, str(tmp_path)) == [
       "objective (saved 'supervised', now 'masked_patch_prediction')",
       "posemb (saved 'learned_1d', now 'sincos_2d')"]

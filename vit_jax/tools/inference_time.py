@@ -40,7 +40,7 @@ from vit_jax.config import defaults
 from vit_jax.models import blank
 from vit_jax.models import flops
 from vit_jax.models import registry
-from vit_jax.models import attention
+from vit_jax.models import attention as attention_kernels
 from vit_jax.training import step as train_step
 
 Runner = Callable[[int], None]  # run(n): n back-to-back steps, returning once the last is done.
@@ -168,7 +168,7 @@ def benchmark(model_name: str, batch: int, image_size: int, dtype: str = 'float3
   """
   devices = benchmark_devices(batch)
   device = devices[0]
-  attention = attention.resolve_attention(attention, devices)
+  attention = attention_kernels.resolve_attention(attention, devices)
   model = registry.get_model(model_name, num_classes=NUM_CLASSES, dtype=jnp.dtype(dtype),
                            attention=attention)
   if train:
@@ -219,7 +219,7 @@ def check_args(args: argparse.Namespace) -> None:
              f'{", ".join(registry.MODEL_CONFIGS)}.')
   if args.batch < 1 or args.rounds < 1:
     sys.exit(f'error: --batch {args.batch} and --rounds {args.rounds} must be at least 1.')
-  if error := attention.attention_error(args.attention, jax.default_backend()):
+  if error := attention_kernels.attention_error(args.attention, jax.default_backend()):
     sys.exit(f'error: --{error}')
   if args.attention == 'splash' and not args.train:  # Inference applies the model off a mesh.
     sys.exit('error: --attention=splash runs in training steps (under their mesh) only: add '
@@ -245,7 +245,7 @@ def main(argv=None):
                       help='Time a training step (forward, backward, optimiser) instead.')
   parser.add_argument('--optimizer', choices=('sgd', 'adamw'), default='sgd',
                       help='With --train: the optimiser of vit_jax.train.')
-  parser.add_argument('--attention', choices=('auto',) + attention.ATTENTION_KERNELS,
+  parser.add_argument('--attention', choices=('auto',) + attention_kernels.ATTENTION_KERNELS,
                       default='auto', help="Attention kernel; 'auto': cuDNN's on NVIDIA GPUs; "
                       "'splash': TPUs, with --train.")
   parser.add_argument('--rounds', type=int, default=5,

@@ -31,8 +31,8 @@ from vit_jax.training import dataset_checks
 from vit_jax.training import fit
 from vit_jax.training import param_groups
 from vit_jax.training import preemption
+from vit_jax.training import resume
 from vit_jax.training import summaries
-from vit_jax.training import workdir
 from vit_jax.training.setup import build_model, make_mesh
 from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 from vit_jax.training.state_checkpoints import Checkpoints, CheckpointSaveError
@@ -58,7 +58,7 @@ def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardi
                      mesh: Mesh) -> tuple[TrainState, pipeline.TrainIterator]:
   """(state, training batches) from the newest intact checkpoint, or from `state` at step 0."""
   if checkpoints.latest_step() is not None:
-    if mismatches := workdir.resume_mismatches(config, checkpoints.workdir):
+    if mismatches := resume.resume_mismatches(config, checkpoints.workdir):
       raise ConfigError(
           f'{checkpoints.workdir} holds a run with other {", ".join(mismatches)}: its '
           'checkpoints cannot continue with these. Run with the saved values, or start afresh '
@@ -100,7 +100,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   if is_main:
-    workdir.remove_stale_temporaries(workdir)
+    resume.remove_stale_temporaries(workdir)
 
   params = None
   if config.pretrained_path:
@@ -112,7 +112,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)
     if is_main:  # Only now: a resume that fails keeps the config.json of the run it found.
-      workdir.write_config(config, workdir)
+      resume.write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
                                 checkpoints, evals)
@@ -195,7 +195,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
       watcher.close()
   train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   if int(state.step) == 0:
-    writer.write_hparams(workdir.flatten_config(config))
+    writer.write_hparams(resume.flatten_config(config))
   flops_per_image = 3 * flops.gflops_per_image(model, config.pp.crop) * 1e9
   peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
   peak_flops *= jax.process_count()
