@@ -16,6 +16,7 @@ from vit_jax.config import checks
 from vit_jax.models import blank
 from vit_jax.models import registry
 from vit_jax.training import param_groups
+from vit_jax.training import resume
 from vit_jax.training import step as train_step
 from vit_jax.training import trainer
 
@@ -142,16 +143,16 @@ def test_config_errors_are_one_line(overrides, message):
 def test_a_resume_keeps_frozen_but_may_change_the_multipliers(tmp_path):
   import json
   config = helpers.tiny_config()
-  trainer.write_config(config, str(tmp_path))
+  resume.write_config(config, str(tmp_path))
   saved = json.loads((tmp_path / 'config.json').read_text())
   for field in ('lr_mults', 'layer_decay', 'frozen'):
     del saved[field]  # As a version without them wrote it.
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert trainer.resume_mismatches(config, str(tmp_path)) == []
+  assert resume.resume_mismatches(config, str(tmp_path)) == []
   config.layer_decay, config.lr_mults = 0.75, (('^head', 10.0),)
-  assert trainer.resume_mismatches(config, str(tmp_path)) == []
+  assert resume.resume_mismatches(config, str(tmp_path)) == []
   config.frozen = '^(?!head)'
-  assert trainer.resume_mismatches(config, str(tmp_path)) == [
+  assert resume.resume_mismatches(config, str(tmp_path)) == [
       "frozen (saved 'None', now '^(?!head)')"]
 
 
@@ -179,13 +180,12 @@ def test_a_linear_probe_of_the_trained_run_reaches_its_25_shot_accuracy(trained_
   # training set (60,000 images), against the 25-shot regression vit_jax.fewshot fits on the
   # same features (those of the probe's final params: its backbone is frozen); both scored on
   # the same 2,000 test images.
-  from vit_jax import train
   config = helpers.tiny_config(
       pretrained_path=os.path.join(trained_run[0], 'model.npz'), frozen='^(?!head)',
       total_steps=940, warmup_steps=50, eval_every=940, checkpoint_every=940,
       progress_every=470)
   config.pp.flip = False
   config.evals.fewshot.update(datasets=('config.dataset',), shots=(25,), num_test=2000)
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  metrics = trainer.train_and_evaluate(config, str(tmp_path))
   few_shot = metrics['fewshot/fashion_mnist_embedded_25shot']
   assert metrics['test_accuracy'] >= few_shot, (metrics['test_accuracy'], few_shot)
