@@ -1,10 +1,10 @@
 """Compile time and memory of one training step, with and without scanned and remat layers.
 
 For each model and each variant (plain, scan, remat, scan+remat) this builds the training step
-of vit_jax.train (forward, backward, gradient clipping, momentum SGD update, the train state
-donated as in training), lowers it for an abstract train state (jax.eval_shape: nothing is
-allocated, so ViT-H fits on any machine) and compiles it for this machine's first device. XLA's
-`memory_analysis()` of the compiled step gives, in GiB:
+of vit_jax.training.trainer (forward, backward, gradient clipping, momentum SGD update, the
+train state donated as in training), lowers it for an abstract train state (jax.eval_shape:
+nothing is allocated, so ViT-H fits on any machine) and compiles it for this machine's first
+device. XLA's `memory_analysis()` of the compiled step gives, in GiB:
   temp:  the step's temporary buffers (activations kept for the backward pass and the like);
   args:  the train state and the batch;  out: the new state and the metrics;
   peak:  args + out - aliased (the donated state is reused) + temp, an upper bound.

@@ -2,6 +2,7 @@
 config.lr_mults, config.layer_decay and config.frozen, on the tiny models and their real
 optimisers."""
 import os
+import runpy
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from vit_jax.training import resume
 from vit_jax.training import step as train_step
 from vit_jax.training import trainer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_0 = 'Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel'
 
 
@@ -189,3 +191,13 @@ def test_a_linear_probe_of_the_trained_run_reaches_its_25_shot_accuracy(trained_
   metrics = trainer.train_and_evaluate(config, str(tmp_path))
   few_shot = metrics['fewshot/fashion_mnist_embedded_25shot']
   assert metrics['test_accuracy'] >= few_shot, (metrics['test_accuracy'], few_shot)
+
+
+
+def test_the_continuation_preset_keeps_the_types_that_command_line_overrides_need():
+  # configs/finetune.py continues a copy of the default run; a field whose value is None is
+  # overridden from the command line (the README's --config.layer_decay=0.75) only where the copy
+  # kept its type, as absl's config flags read it.
+  config = runpy.run_path(os.path.join(ROOT, 'configs', 'finetune.py'))['get_config']('56')
+  assert config.layer_decay is None and config.get_type('layer_decay') is float
+  assert config.frozen is None and config.get_type('frozen') is str

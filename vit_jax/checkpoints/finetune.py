@@ -126,7 +126,7 @@ def resize_table(table, length: int, *, method: str = 'bilinear') -> np.ndarray:
 
 
 def file_posemb(params: npz.Params, spec: Optional[dict]) -> Optional[str]:
-  """The posemb kind (vit_jax.positions.POSEMB_KINDS) of a checkpoint: its saved spec's, else
+  """The posemb kind (vit_jax.models.positions.POSEMB_KINDS) of a checkpoint: its saved spec's, else
   the one its parameters show; None for a file without spec or position parameters (posemb
   'none' or 'sincos_2d', which only a spec tells apart)."""
   if spec is not None:
@@ -284,7 +284,7 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
 
 
 def _fit_pretraining_params(restored: dict, target: dict, source: str) -> dict:
-  """`restored` (flat) without the masked-patch-prediction parameters (vit_jax.mpp) that
+  """`restored` (flat) without the masked-patch-prediction parameters (vit_jax.tasks.mpp) that
   `target` lacks (fine-tuning a pre-trained model; logged), and with `target`'s fresh ones
   that it lacks (pre-training from a published model)."""
   extra = lambda path: path[0].startswith(mpp.PARAM_PREFIX)
@@ -306,7 +306,7 @@ def load_pretrained(path, init_params: npz.Params, model, *,
   - `pre_logits` is dropped when `model.representation_size` is None;
   - `head` is replaced by the freshly initialised one of `init_params` (new classes), or, with
     `keep_head`, kept from the file (the same classes, e.g. continuing at a higher resolution);
-  - the parameters that masked patch prediction adds (vit_jax.mpp.PARAM_PREFIX) are dropped,
+  - the parameters that masked patch prediction adds (vit_jax.tasks.mpp.PARAM_PREFIX) are dropped,
     with a log line, when `init_params` lacks them, and taken from it when the file does;
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the

@@ -223,7 +223,7 @@ def save(params: Params, path, *, linen_names: bool = False, spec: Optional[dict
   Encoder blocks get the pre-linen numbering of the published files
   (`MultiHeadDotProductAttention_1`, `LayerNorm_2`, `MlpBlock_3`), or with `linen_names=True`
   the model's own; scanned params are written per block (`unscan_blocks`). A model spec
-  (`vit_jax.models.model_spec`) is stored under the key SPEC_KEY. Local files are
+  (`vit_jax.models.registry.model_spec`) is stored under the key SPEC_KEY. Local files are
   written to a temporary file first and then renamed, so a crash never leaves half a file.
   """
   path = os.fspath(path)

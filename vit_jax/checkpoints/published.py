@@ -249,7 +249,7 @@ def listing() -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-  """`python -m vit_jax.checkpoint --list`: prints the published names (`vit_jax.published`)."""
+  """`python -m vit_jax.checkpoint --list`: prints the published names."""
   parser = argparse.ArgumentParser(description=main.__doc__)
   parser.add_argument('--list', action='store_true', required=True,
                       help='print each published name with its model, resolution, training '

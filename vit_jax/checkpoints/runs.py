@@ -121,7 +121,7 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
 
   The model is the one of the spec saved in the file (`save`); `overrides` set fields it leaves
   to the caller, e.g. `dtype=jnp.bfloat16`. `path_or_workdir` may be a published name
-  (`vit_jax.published`), which also names the model. Another file without a spec (the published
+  (`published`), which also names the model. Another file without a spec (the published
   checkpoints, files of older versions) needs `model_name`, a registry name whose classes and
   representation size then follow the parameters, with the fields of a FILE.overrides.json next
   to it applied (deprecated: files now carry their spec); an older workdir's config.json also

@@ -3,8 +3,8 @@ devices, the model and the pretrained path; each failure a ConfigError of one li
 field and the fix.
 
 `python -m vit_jax.main` runs these checks before it imports TensorFlow, so that a bad value is
-reported within seconds; `train.train_and_evaluate` runs them for library callers, then checks
-the dataset and its splits (`train.check_data`, through tf.data), all before compiling.
+reported within seconds; `trainer.train_and_evaluate` runs them for library callers, then checks
+the dataset and its splits (`dataset_checks.check_data`, through tf.data), all before compiling.
 """
 import logging
 import math

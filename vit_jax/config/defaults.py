@@ -6,6 +6,7 @@ the experiment files of the repository's `configs/` folder (loaded by path,
 `python -m vit_jax.main` trains without `--config`: it lives in the package so that an installed
 vit_jax has it, whatever the current directory.
 """
+import copy
 import math
 
 import ml_collections
@@ -44,7 +45,7 @@ def training_defaults() -> ml_collections.ConfigDict:
       'randaug': ml_collections.FieldReference(None, field_type=tuple),
   })
 
-  # Model: a registry name (see vit_jax.registry.MODEL_CONFIGS) and its config (`with_model`).
+  # Model: a registry name (vit_jax.models.registry.MODEL_CONFIGS) and its config (`with_model`).
   config.model_name = 'ViT-B_16'
   config.model = ml_collections.ConfigDict()  # Filled from the registry by `with_model`.
   config.dtype = 'float32'  # Computation dtype; parameters stay float32.
@@ -53,7 +54,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.scan_layers = False
   config.remat_policy = ml_collections.FieldReference(None, field_type=str)
   config.attention = 'auto'
-  # Position information (vit_jax.positions.POSEMB_KINDS); learned_1d: the published layout.
+  # Position information (vit_jax.models.positions.POSEMB_KINDS); learned_1d: the published layout.
   config.posemb = 'learned_1d'
   config.pretrained_path = ml_collections.FieldReference(None, field_type=str)
   config.posemb_method = 'bilinear'  # How pretrained position embeddings are resized.
@@ -179,13 +180,13 @@ def continued_at(config: ml_collections.ConfigDict, crop: int, pretrained_path: 
 
   The patches grow with the images (crop / config.pp.crop times, e.g. 7 to 14 px from 28 to
   56 px), so the grid of tokens and the position embeddings stay, and the patch-embedding
-  kernel is resized to the new patch size (`checkpoint.resize_patch_kernel`): on the same images
+  kernel is resized to the new patch size (`finetune.resize_patch_kernel`): on the same images
   resized, every token, and so the model's output, starts as it was. With the patch size kept
   instead ("--config.model.patches.size=(7,7)"), the position embeddings are interpolated to
   the larger grid and the first layer has to relearn what its patches show. docs/finetuning.md
   has what each reaches. Raises a ValueError when the patch size would not be a whole number of
   pixels."""
-  config = config.copy_and_resolve_references()
+  config = copy.deepcopy(config)  # Its None fields keep their types, for overrides.
   transfer = training_defaults()
   for name in TRANSFER_FIELDS:
     config[name] = transfer[name]
@@ -260,5 +261,5 @@ def resolve_model(config: ml_collections.ConfigDict) -> None:
     current = f' (config.model is {config.model.get("name")!r})' if config.model else ''
     raise ValueError(f'Unknown model config.model_name={config.model_name!r}{current}. Known '
                      f'models: {", ".join(registry.MODEL_CONFIGS)} (short names: '
-                     'vit_jax.registry.SHORT_NAMES).')
+                     'vit_jax.models.registry.SHORT_NAMES).')
   with_model(config, config.model_name)

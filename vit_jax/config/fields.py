@@ -52,7 +52,7 @@ FIELD_HELP = {
     'pp.area_min': 'Inception crop: the smallest fraction of the image area kept.',
     'pp.randaug': 'Training: RandAugment (num_layers, magnitude), e.g. (2, 10), magnitude 10 '
                   'the usual largest (vit_jax/data/randaugment.py); None: off.',
-    'model_name': 'Registry model (vit_jax.registry.MODEL_CONFIGS) that fills config.model; '
+    'model_name': 'Registry model (vit_jax.models.registry.MODEL_CONFIGS) that fills config.model; '
                   'override its fields as --config.model.hidden_size=...',
     'dtype': "Computation dtype, 'float32' or 'bfloat16'; params stay float32.",
     'scan_layers': 'Run the blocks as one nn.scan: compile time independent of depth.',

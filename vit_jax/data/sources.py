@@ -6,7 +6,7 @@ pipeline of undecoded records, plus the function that decodes a record's image. 
 to produce and to skip (an array index, a file path, or the encoded bytes of a tfds example), so
 that a resumed run skips to its step before decoding. Sources with `random_access` (arrays and
 image folders) permute a share exactly; tfds shards are read in file order and shuffled with a
-buffer. `input_pipeline.py` turns shards into preprocessed batches.
+buffer. `pipeline.py` turns shards into preprocessed batches.
 """
 import collections
 import functools

@@ -331,7 +331,7 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
       host arrays are copied to them for every batch).
     config: dataset settings: `dataset`, `train_split`, `test_split`, `pp` (the evaluation
       preprocessing), `batch_eval` (a multiple of the device count) and the source options of
-      vit_jax.input_pipeline_sources (`tfds_data_dir`, ...).
+      vit_jax.data.sources (`tfds_data_dir`, ...).
     shots: the k of k-shot; seeds: one shot choice per seed; holdout: held-out images per class.
     mesh: a mesh with a 'data' axis; default: all devices.
   Returns:

@@ -139,7 +139,7 @@ class MultiHeadDotProductAttention(nn.Module):
   and the attention weights (B, N,
   T, T) sown as `attention_weights` when the caller makes `intermediates` mutable (for the
   visualisations), take XLA's path. With `relative_patches` P > 0 it is the relative attention
-  of vit_jax.positions (on the last P tokens), its table `relative_embedding` (2P - 1, N, K),
+  of vit_jax.models.positions (on the last P tokens), its table `relative_embedding` (2P - 1, N, K),
   and always XLA's path: the logits bias it adds goes to no fused kernel here.
   """
   num_heads: int

@@ -162,7 +162,7 @@ class Encoder(nn.Module):
   that keep unscanned recomputations apart and merges them back into the forward pass.
   In training, block i drops its branches at `stochastic_depth_rates(stochastic_depth, ...)[i]`;
   scanned blocks take their rate as a scanned input.
-  `posemb` (vit_jax.positions) says how positions enter, for patches on a grid of (rows,
+  `posemb` (vit_jax.models.positions) says how positions enter, for patches on a grid of (rows,
   columns) `grid`: at the input (`posembed_input`), or in each block's attention (relative).
   """
   num_layers: int

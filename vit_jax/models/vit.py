@@ -8,7 +8,7 @@ The parameter tree is the one of the published checkpoints:
 `Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
 MlpBlock_0}`,
 `Transformer/encoder_norm`, optional `pre_logits`, `head`, and for hybrids the ResNet stem's
-`conv_root`, `gn_root`, `block{i}/unit{j}/...`. Other `posemb` kinds (vit_jax.positions) replace
+`conv_root`, `gn_root`, `block{i}/unit{j}/...`. Other `posemb` kinds (`positions`) replace
 `pos_embedding` with theirs, or with none. With `scan_layers=True` the blocks are instead
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
 Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
@@ -160,7 +160,7 @@ class VisionTransformer(nn.Module):
   def __call__(self, images, *, train, head=True, patch_task=None):
     """Logits, or with `head=False` the `features` they are computed from.
 
-    `patch_task` (vit_jax.mpp.PatchTask, for masked patch prediction) changes the patch
+    `patch_task` (vit_jax.tasks.mpp.PatchTask, for masked patch prediction) changes the patch
     embeddings (B, N, D) by its `corrupt(self, patches)` before the class token and the position
     embeddings join them, and returns, in place of pooling and head, its `predict(self, tokens)`
     of the encoder outputs of the patch tokens (B, N, D).

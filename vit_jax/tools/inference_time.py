@@ -244,7 +244,7 @@ def main(argv=None):
   parser.add_argument('--train', action='store_true',
                       help='Time a training step (forward, backward, optimiser) instead.')
   parser.add_argument('--optimizer', choices=('sgd', 'adamw'), default='sgd',
-                      help='With --train: the optimiser of vit_jax.train.')
+                      help='With --train: the optimiser of vit_jax.training.trainer.')
   parser.add_argument('--attention', choices=('auto',) + attention_kernels.ATTENTION_KERNELS,
                       default='auto', help="Attention kernel; 'auto': cuDNN's on NVIDIA GPUs; "
                       "'splash': TPUs, with --train.")

@@ -10,8 +10,8 @@ embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says 
 values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
 one whose spec vit_jax saved in the file (training runs, vit_jax.convert), and the class names
 those a training run saved with it; a published file needs
---model, its registry name, unless given by its published name (vit_jax.published), and the
-number of classes and the representation size then come from its parameters.
+--model, its registry name, unless given by its published name (`checkpoints.published`), and
+the number of classes and the representation size then come from its parameters.
 A missing file or an image that cannot be decoded is reported by name, the other images are still
 classified, and the exit status is 1.
 """

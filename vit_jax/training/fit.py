@@ -203,7 +203,7 @@ def resolve_accum_steps(config: ml_collections.ConfigDict, data_devices: int,
 
 
 def lower_train_step(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int):
-  """The training step of `config` for `mesh`, built as vit_jax.train builds it (model,
+  """The training step of `config` for `mesh`, built as vit_jax.training.trainer builds it (model,
   optimiser, train state and its shardings, `jit_train_step`) and lowered for abstract state and
   batches (jax.stages.Lowered): nothing is made on the devices."""
   model = train_setup.build_model(config, num_classes, list(mesh.devices.flat))

@@ -1,5 +1,5 @@
 """What training builds before its first step, free of TensorFlow: the device mesh, the model and
-the evaluation step. vit_jax.train trains with them, and vit_jax.plan compiles the same step for
+the evaluation step. `trainer` trains with them, and `tools.plan` compiles the same step for
 TPU slices that are not there.
 """
 from typing import Any, Callable

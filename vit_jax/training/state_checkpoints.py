@@ -1,4 +1,4 @@
-"""The training state's checkpoints in `WORKDIR/checkpoints` (Orbax), for vit_jax.train.
+"""The training state's checkpoints in `WORKDIR/checkpoints` (Orbax), for vit_jax.training.trainer.
 
 Each step's checkpoint holds the train state (params, optimiser state, step, RNG, EMA) and the
 data iterator's state, so that a resumed run continues exactly. Saves run in the background and

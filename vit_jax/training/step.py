@@ -2,7 +2,7 @@
 
 Imports neither TensorFlow nor clu, so that benchmarks (vit_jax.inference_time --train,
 benchmarks/gpu.py) run where only jax, flax, optax and ml_collections are installed;
-vit_jax.train builds the training loop around it.
+vit_jax.training.trainer builds the training loop around it.
 """
 from typing import Any, Callable, NamedTuple
 
