@@ -13,8 +13,6 @@ from vit_jax.models import vit
 # batch: counted here for a batch of one).
 NORM_FLOPS = 5
 SOFTMAX_FLOPS = 4
-
-
 GELU_FLOPS = 8
 STANDARDIZE_FLOPS = 7
 

@@ -1,5 +1,7 @@
 """The model registry: the configurations of the published models, by name (`MODEL_CONFIGS`),
-and the short names that the configs/ files take for them (`SHORT_NAMES`).
+the short names that the configs/ files take for them (`SHORT_NAMES`), and the models built from
+a name or a config (`get_model`) or from the spec saved with them (`model_spec`,
+`model_from_spec`), with their parameter shapes and counts.
 
 Sizes follow Table 1 of the paper (hidden size D, MLP size, heads, layers):
 Ti 192/768/3/12, S 384/1536/6/12, B 768/3072/12/12, L 1024/4096/16/24, H 1280/5120/16/32.
@@ -15,6 +17,7 @@ import ml_collections
 
 from vit_jax.models import blank
 from vit_jax.models.vit import VisionTransformer
+
 
 MODEL_CONFIGS: dict[str, ml_collections.ConfigDict] = {}
 # {short name: registry name}: the MODEL of `--config=configs/vit.py:MODEL,DATASET` (b16 for

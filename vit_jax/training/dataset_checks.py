@@ -10,8 +10,6 @@ import ml_collections
 
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
-from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
-from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 
 
 @contextlib.contextmanager

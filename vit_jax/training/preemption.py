@@ -13,8 +13,6 @@ import jax
 from jax.experimental import multihost_utils
 
 from vit_jax import hardware
-from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
-from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 
 
 class EvaluationStopped(Exception):

@@ -13,9 +13,7 @@ from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
-from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
 from vit_jax.models import registry
-from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
 
 
 def flatten_config(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from vit_jax.checkpoints import runs
 from vit_jax.config.checks import pretrained_file, validate_config
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
-from vit_jax.evaluators.classification import evaluate  # noqa: F401  (train.evaluate, as before)
+from vit_jax.evaluators.classification import evaluate  # noqa: F401  (the old train.evaluate)
 from vit_jax.models import blank
 from vit_jax.models import flops
 from vit_jax.models import registry
@@ -34,7 +34,7 @@ from vit_jax.training import preemption
 from vit_jax.training import resume
 from vit_jax.training import summaries
 from vit_jax.training.setup import build_model, make_mesh
-from vit_jax.training.setup import make_eval_step  # noqa: F401  (train.make_eval_step, as before)
+from vit_jax.training.setup import make_eval_step  # noqa: F401  (the old train.make_eval_step)
 from vit_jax.training.state_checkpoints import Checkpoints, CheckpointSaveError
 from vit_jax.training.step import make_optimizer
 from vit_jax.training.step import TrainState, create_train_state
