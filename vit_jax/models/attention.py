@@ -15,6 +15,7 @@ from vit_jax.models import positions
 from vit_jax.sharding import with_axes
 
 Dtype = Any
+
 ATTENTION_KERNELS = ('xla', 'cudnn', 'splash')
 
 

@@ -14,10 +14,9 @@ from vit_jax.models import positions
 from vit_jax.sharding import with_axes
 
 Dtype = Any
+
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'everything_saveable')
-
-
 LAYERNORM_EPS = 1e-6
 TOKENS = ('batch', 'seq', 'embed')  # Logical axes of the (B, T, D) activations between blocks.
 STOCHASTIC_DEPTH_SCHEDULES = ('linear', 'uniform')

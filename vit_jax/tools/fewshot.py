@@ -23,7 +23,6 @@ from vit_jax.config import defaults
 from vit_jax.evaluators import linear_probe
 
 
-
 def dataset_config(args: argparse.Namespace, image_size: int) -> ml_collections.ConfigDict:
   """The training defaults (the data source reads several) with the dataset, splits and
   preprocessing of the command line and the model's image size."""
