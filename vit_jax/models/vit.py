@@ -29,6 +29,7 @@ from vit_jax.sharding import with_axes
 
 
 Dtype = Any
+
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
 TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token first.
 
