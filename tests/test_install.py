@@ -58,6 +58,9 @@ def fixture_installed(tmp_path_factory):
 def test_install_holds_vit_jax_and_no_top_level_configs(installed):
   _, _, site_packages = installed
   assert os.path.isfile(os.path.join(site_packages, 'vit_jax', 'models', 'registry.py'))
+  # The embedded dataset of the quick start, package data of the data subpackage.
+  assert os.path.isfile(
+      os.path.join(site_packages, 'vit_jax', 'data', 'fashion_mnist_embedded.npz'))
   assert not os.path.exists(os.path.join(site_packages, 'configs'))
 
 
