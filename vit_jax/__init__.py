@@ -11,6 +11,8 @@ vit_jax.NAME` runs as before (vit_jax/predict.py and its like); `vit_jax.models`
 """
 import importlib
 import importlib.util
+import runpy
+import sys
 import warnings
 
 # {old name: new module}
@@ -35,6 +37,16 @@ MOVED = {
     'train_step': 'vit_jax.training.step',
     'validation': 'vit_jax.config.checks',
 }
+
+
+def command_moved(name: str, target: str, library: str | None = None) -> None:
+  """For the module `name` of a command that moved to `target`: run as `python -m`, it runs
+  `target` as `python -m target` would; imported, it becomes the module `library` (default
+  `target`), so that the old import gives what the old module held."""
+  if name == '__main__':
+    runpy.run_module(target, run_name='__main__', alter_sys=True)
+  else:
+    sys.modules[name] = importlib.import_module(library or target)
 
 
 def forward_old_names(package: str, sources: tuple[str, ...]):

@@ -1,13 +1,5 @@
-"""`python -m vit_jax.convert`, the command of
-`vit_jax.checkpoints.convert`, where its code lives.
+"""`python -m vit_jax.convert`: the command of `vit_jax.checkpoints.convert`,
+where its code lives. Imported, this module is that module (`vit_jax.command_moved`)."""
+import vit_jax
 
-Imported, this module is that module itself (its name before the subpackages).
-"""
-import runpy
-import sys
-
-if __name__ == '__main__':
-  runpy.run_module('vit_jax.checkpoints.convert', run_name='__main__', alter_sys=True)
-else:
-  from vit_jax.checkpoints import convert
-  sys.modules[__name__] = convert
+vit_jax.command_moved(__name__, 'vit_jax.checkpoints.convert')

@@ -1,13 +1,5 @@
-"""`python -m vit_jax.inference_time`, the command of
-`vit_jax.tools.inference_time`, where its code lives.
+"""`python -m vit_jax.inference_time`: the command of `vit_jax.tools.inference_time`,
+where its code lives. Imported, this module is that module (`vit_jax.command_moved`)."""
+import vit_jax
 
-Imported, this module is that module itself (its name before the subpackages).
-"""
-import runpy
-import sys
-
-if __name__ == '__main__':
-  runpy.run_module('vit_jax.tools.inference_time', run_name='__main__', alter_sys=True)
-else:
-  from vit_jax.tools import inference_time
-  sys.modules[__name__] = inference_time
+vit_jax.command_moved(__name__, 'vit_jax.tools.inference_time')

@@ -29,8 +29,8 @@ from vit_jax import gone_process
 from vit_jax import hardware
 from vit_jax import heartbeats
 from vit_jax.config import checks
-from vit_jax.config import fields
 from vit_jax.config import defaults as default_config
+from vit_jax.config import fields
 
 DEFAULT_CONFIG = default_config.__file__  # Its get_config() is the default run.
 # Flags that ask for help: absl's (which would exit with status 1), and -h.
