@@ -5,9 +5,10 @@ The subpackages: models, data, checkpoints, training, tasks, evaluators, config,
 
 The library modules that moved into them keep their old names here (MOVED): `from vit_jax
 import train` still works, through `__getattr__`, with a DeprecationWarning that names the new
-module. The commands that moved keep a module of their old name, so that `python -m
-vit_jax.NAME` runs as before (vit_jax/predict.py and its like); `vit_jax.models` and
-`vit_jax.config`, now packages, forward their old names (`vit_jax.models.get_model`).
+module. The commands that moved keep a module of their old name (vit_jax/predict.py and its
+like, through `command_moved`), so that `python -m vit_jax.predict` runs as before;
+`vit_jax.models` and `vit_jax.config`, now packages, forward their old names
+(`vit_jax.models.get_model`).
 """
 import importlib
 import importlib.util
