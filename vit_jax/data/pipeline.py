@@ -151,9 +151,10 @@ def train_dataset(config, *, process_index: int, process_count: int,
     image = image_ops.preprocess_train(shard.decode(record['image']), key, config.pp)
     return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
 
-  records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch).skip(offset)
-  examples = records.enumerate(start=first_position).filter(is_own_row).map(
-      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(shards.as_written(epoch))
+  examples = records.skip(offset).enumerate(start=first_position).filter(
+      shards.as_written(is_own_row)).map(shards.as_written(preprocess),
+                                         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return examples.batch(batch, drop_remainder=True).prefetch(2).with_options(_fixed_options())
 
 
@@ -178,7 +179,7 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
              'label': tf.constant(0), 'mask': tf.constant(0.0)}
   examples = shard.epoch(None).map(
-      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+      shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   examples = examples.concatenate(tf.data.Dataset.from_tensors(padding).repeat(
       num_batches * batch - shard.num_examples))
   return examples.batch(batch).prefetch(tf.data.AUTOTUNE)

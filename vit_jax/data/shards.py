@@ -34,6 +34,13 @@ class Shard:
   decode: Callable[[tf.Tensor], tf.Tensor]
 
 
+def as_written(fn: Callable) -> Callable:
+  """`fn` for tf.data to trace as written, skipping AutoGraph's rewrite of its Python source into
+  graph control flow: the pipeline's functions branch on Python values only, and the rewrite of
+  each, in every process, took longer than building the rest of the pipeline."""
+  return tf.autograph.experimental.do_not_convert(fn)
+
+
 def shard_bounds(num_examples: int, process_index: int, process_count: int) -> tuple[int, int]:
   """[start, end) of the contiguous share of process `process_index` of `process_count`."""
   return (num_examples * process_index // process_count,
@@ -118,8 +125,8 @@ class ArraySource:
       order = tf.range(end - start)
       if key is not None:
         order = tf.random.experimental.stateless_shuffle(order, seed=key)
-      return tf.data.Dataset.from_tensor_slices(order).map(
-          lambda i: {'image': tf.gather(items, i), 'label': tf.gather(labels, i)})
+      return tf.data.Dataset.from_tensor_slices(order).map(as_written(
+          lambda i: {'image': tf.gather(items, i), 'label': tf.gather(labels, i)}))
 
     return Shard(end - start, epoch, self._decode)
 

@@ -76,7 +76,7 @@ def undecodable_files(paths: np.ndarray) -> Iterator[str]:
   indices that decoded; stops as soon as the caller stops asking.
   """
   decoded = tf.data.Dataset.from_tensor_slices(paths).enumerate().map(
-      lambda i, path: (i, tf.shape(decode_image_file(path))),
+      shards.as_written(lambda i, path: (i, tf.shape(decode_image_file(path)))),
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
   expected = 0
   for index, _ in decoded.as_numpy_iterator():

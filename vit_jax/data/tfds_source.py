@@ -88,7 +88,7 @@ class TfdsSource:
     records = self._builder.as_dataset(
         split=split, shuffle_files=False,
         decoders=tfds.decode.PartialDecoding({'label': True}))
-    batches = records.map(lambda example: example['label']).batch(65536)
+    batches = records.map(shards.as_written(lambda example: example['label'])).batch(65536)
     return np.concatenate([np.zeros(0, np.int64), *batches.as_numpy_iterator()]).astype(np.int64)
 
   def fingerprint(self, split: str) -> dict:
@@ -108,8 +108,8 @@ class TfdsSource:
     process_split = tfds.even_splits(split, process_count)[process_index]
     records = self._builder.as_dataset(
         split=process_split, shuffle_files=False,
-        decoders={'image': tfds.decode.SkipDecoding()}).map(
-            lambda example: {'image': example['image'], 'label': example['label']})
+        decoders={'image': tfds.decode.SkipDecoding()}).map(shards.as_written(
+            lambda example: {'image': example['image'], 'label': example['label']}))
 
     def epoch(key):
       if key is None:

@@ -248,6 +248,7 @@ def selected_images(config, split: str, positions: np.ndarray, batch: int) -> It
   float32 (b, crop, crop, 3), b <= batch."""
   import tensorflow as tf
   from vit_jax.data import image_ops
+  from vit_jax.data import shards
   from vit_jax.data import sources
   shard = sources.get_source(config).shard(split, 0, 1)
   wanted = np.zeros(shard.num_examples, bool)
@@ -262,8 +263,8 @@ def selected_images(config, split: str, positions: np.ndarray, batch: int) -> It
     del position
     return image_ops.preprocess_eval(shard.decode(record['image']), config.pp)
 
-  images = shard.epoch(None).enumerate().filter(is_wanted).map(
-      preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  images = shard.epoch(None).enumerate().filter(shards.as_written(is_wanted)).map(
+      shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return images.batch(batch).prefetch(2).as_numpy_iterator()
 
 
