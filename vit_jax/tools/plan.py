@@ -30,8 +30,8 @@ import ml_collections
 
 from vit_jax import console
 from vit_jax import hardware
-from vit_jax import main as main_command
 from vit_jax.config import checks
+from vit_jax.config import command_line
 from vit_jax.models import attention
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
@@ -44,6 +44,9 @@ flags.DEFINE_integer('slices', 1, 'Slices of that type joined by the data-centre
 flags.DEFINE_integer('num_classes', None, "Classes of the model's head; default: those of "
                      'config.dataset where DATASET_CLASSES knows it.')
 flags.DEFINE_string('out', None, 'Also write the plan as JSON to this file.')
+flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
+                  '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
+                  'libraries\' warnings.')
 
 # Sources: Google Cloud TPU documentation, "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e" (system
 # architecture and configurations), https://cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}.
@@ -374,6 +377,11 @@ def write_json(result: dict, path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """command_line.parse_flags, called from this module so that --config is its flag in --help."""
+  return command_line.parse_flags(argv)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -400,4 +408,4 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.skip_absent_tpu()
-  app.run(main, flags_parser=main_command.parse_flags)
+  app.run(main, flags_parser=parse_flags)
