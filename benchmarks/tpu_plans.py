@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vit_jax import console  # noqa: E402  (after the repository is on the path)
+from vit_jax import tpu_topologies  # noqa: E402
 from vit_jax.config import checks  # noqa: E402
 from vit_jax.tools import plan  # noqa: E402
 
@@ -76,7 +77,7 @@ def command(preset: str, topology: str, sharding: str) -> str:
 
 def slice_names(generation: str) -> list[str]:
   """The accelerator types of `generation`, smallest first ('v5e-1', 'v5e-4', ...)."""
-  kind = plan.GENERATIONS[generation]
+  kind = tpu_topologies.GENERATIONS[generation]
   return [f'{generation}-{chips * kind.cores_per_chip_in_name}' for chips in sorted(kind.shapes)]
 
 
@@ -87,7 +88,7 @@ def compile_on(preset: str, topology_name: str, sharding: str, out, machine: str
   path, argument, overrides = PRESETS[preset]
   config = load_config(path, argument, {**overrides, **COMMON, 'sharding': sharding,
                                         'mesh.model': SHARDINGS[sharding]})
-  topology = plan.parse_topology(topology_name)
+  topology = tpu_topologies.parse_topology(topology_name)
   record = {'preset': preset, 'sharding': sharding, 'topology': topology_name,
             'command': command(preset, topology_name, sharding),
             'date': datetime.date.today().isoformat(), 'machine': machine}
@@ -140,7 +141,7 @@ def table(path: str) -> str:
   best = {}
   for record in records:
     key = (record['preset'], record['topology'].split('-')[0], record['sharding'])
-    chips = plan.parse_topology(record['topology']).chips
+    chips = tpu_topologies.parse_topology(record['topology']).chips
     best.setdefault(key, None)
     if record['fits'] and (best[key] is None or chips < best[key][0]):
       best[key] = (chips, record)
@@ -149,7 +150,7 @@ def table(path: str) -> str:
     if found is None:
       tried = sorted({r['topology'] for r in records if (r['preset'], r['sharding']) ==
                       (preset, sharding) and r['topology'].startswith(generation + '-')},
-                     key=lambda name: plan.parse_topology(name).chips)
+                     key=lambda name: tpu_topologies.parse_topology(name).chips)
       rows.append(f'| {preset} | {generation} | {sharding} | none of {", ".join(tried)} | - | - '
                   f'| - | - |')
       continue
@@ -179,7 +180,7 @@ def main():
   if args.table:
     print(table(args.table))
     return
-  plan.use_tpu_compiler_only(plan.parse_topology(slice_names('v5e')[0]))
+  tpu_topologies.use_tpu_compiler_only(tpu_topologies.parse_topology(slice_names('v5e')[0]))
   with open(args.out, 'a') as out:
     for preset in args.presets.split(','):
       for sharding in args.shardings.split(','):

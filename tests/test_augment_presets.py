@@ -4,13 +4,13 @@ load as `--config=FILE:ARG` does and validate."""
 import pytest
 
 from helpers import write_image_folder
-from vit_jax import main
 from vit_jax.config import checks
+from vit_jax.config import command_line
 from vit_jax.training import dataset_checks
 
 
 def load(spec):
-  return main.load_config([f'--config={spec}'])
+  return command_line.load_config([f'--config={spec}'])
 
 
 @pytest.mark.parametrize('arg, randaug, mixup, dropout', [

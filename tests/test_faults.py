@@ -29,9 +29,9 @@ from helpers import xla_flags
 from test_main import MainProcess
 from test_main import free_port
 from test_main import run_main
-from vit_jax import heartbeats
 from vit_jax.checkpoints import npz
 from vit_jax.data import sources
+from vit_jax.distributed import heartbeats
 from vit_jax.training import summaries
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
@@ -324,7 +324,7 @@ def test_process_0_killed_in_a_two_process_run_is_named_in_one_line_by_the_other
 # SIGTERM with a line of its own and a C++ log line (which the filter holds for a while).
 FILTERED = """
 import os, signal, sys, time
-from vit_jax import gone_process
+from vit_jax.distributed import gone_process
 gone_process.filter_stderr(sys.argv[1], 2, 1, 'python -m vit_jax.main --process_id=1')
 def stop(signum, frame):
   print('stopping', file=sys.stderr, flush=True)

@@ -76,9 +76,9 @@ def test_models_import_with_a_decoy_configs_package_ahead_on_the_path(installed)
 
 def test_main_finds_its_default_config_in_the_package_from_another_folder(installed):
   python, elsewhere, site_packages = installed
-  out = run([python, '-c', 'from absl import flags; from vit_jax import main; '
-             'main.parse_flags(["main"]); '
-             'print(main.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
+  out = run([python, '-c', 'from absl import flags; from vit_jax.config import command_line; '
+             'command_line.parse_flags(["main"]); '
+             'print(command_line.DEFAULT_CONFIG, flags.FLAGS.config.model_name)'],
             elsewhere, env={'PYTHONPATH': str(elsewhere)})
   assert out.split() == [os.path.join(site_packages, 'vit_jax', 'config', 'defaults.py'),
                          'ViT-mini_7']

@@ -23,14 +23,15 @@ import pytest
 from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import xla_flags
-from vit_jax import main
 from vit_jax.checkpoints import npz
+from vit_jax.config import command_line
 from vit_jax.config import fields
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import analysis
 from vit_jax.training import resume
 from vit_jax.training import trainer
+from vit_jax.training import workdirs
 
 # Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
@@ -158,13 +159,13 @@ def test_misspelt_config_field_is_one_line_naming_the_close_match():
 
 def test_unknown_config_field_lists_the_fields_of_its_group():
   config = defaults.training_defaults()
-  assert main.unknown_field_error(config, 'pp.crop') is None
-  message = main.unknown_field_error(config, 'foo')
+  assert command_line.unknown_field_error(config, 'pp.crop') is None
+  message = command_line.unknown_field_error(config, 'foo')
   assert message.startswith('--config.foo is not a config field. The fields of config: ')
   assert all(f' {field},' in message for field in ('base_lr', 'pp', 'total_steps'))
-  assert main.unknown_field_error(config, 'pp.crops') == (
+  assert command_line.unknown_field_error(config, 'pp.crops') == (
       '--config.pp.crops is not a config field. Did you mean "crop"?')
-  assert main.unknown_field_error(config, 'pp.crop.size') == (
+  assert command_line.unknown_field_error(config, 'pp.crop.size') == (
       '--config.pp.crop is not a group of fields, so --config.pp.crop.size cannot be set.')
 
 
@@ -216,16 +217,18 @@ def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
 
 
 def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
-  assert main.default_workdir(TINY_CONFIG) == os.path.join('workdirs', 'tiny_config')
-  assert main.default_workdir('configs/vit.py:b16,cifar10') == os.path.join(
+  assert workdirs.default_workdir(TINY_CONFIG) == os.path.join('workdirs', 'tiny_config')
+  assert workdirs.default_workdir('configs/vit.py:b16,cifar10') == os.path.join(
       'workdirs', 'vit_b16_cifar10')
-  assert main.default_workdir(main.DEFAULT_CONFIG) == os.path.join('workdirs', 'default')
+  assert workdirs.default_workdir(command_line.DEFAULT_CONFIG) == os.path.join(
+      'workdirs', 'default')
   # The quick start, run without --workdir, writes to ./workdirs/default: test_console.py.
 
 
 # Takes the workdir's lock as a run does, says so, and holds it until killed.
-HOLD_LOCK = ('import sys, time; from vit_jax import main; lock = main.lock_workdir(sys.argv[1]); '
-             'print("locked", flush=True); time.sleep(600)')
+HOLD_LOCK = ('import sys, time; from vit_jax.training import workdirs; '
+             'lock = workdirs.lock_workdir(sys.argv[1]); print("locked", flush=True); '
+             'time.sleep(600)')
 
 
 def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
@@ -240,7 +243,7 @@ def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pa
   holder.process.kill()
   holder.finish()
   with caplog.at_level(logging.WARNING):  # As the next run takes it.
-    main.release_workdir(main.lock_workdir(str(tmp_path)))
+    workdirs.release_workdir(workdirs.lock_workdir(str(tmp_path)))
   assert (f'Taking over {tmp_path}/lock from process {holder.process.pid} on '
           f'{socket.gethostname()}, which no longer runs.') in caplog.text
 

@@ -18,11 +18,12 @@ from helpers import read_scalars
 from helpers import tiny_config
 from helpers import write_image_folder
 from helpers import xla_flags
-from vit_jax import main
 from vit_jax.config import checks
+from vit_jax.config import command_line
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.training import trainer
+from vit_jax.training import workdirs
 import tiny_tfds
 
 pytestmark = pytest.mark.xdist_group('own_data')  # The module fixture runs once.
@@ -98,9 +99,9 @@ def test_the_default_workdir_names_the_overridden_dataset_and_the_command_resume
     assert f'Workdir: {workdir}\n' in output, output
   assert 'Already trained to step 30 of 30: evaluating it.' in again, again
   assert not (cwd / 'workdirs' / 'default').exists()  # The quick start's stays free.
-  assert main.default_workdir(main.DEFAULT_CONFIG, '/data/my_photos/') == os.path.join(
-      'workdirs', 'default_data_my_photos')
-  assert main.default_workdir('configs/vit.py:ti16,cifar10', '~/photos') == os.path.join(
+  assert workdirs.default_workdir(command_line.DEFAULT_CONFIG, '/data/my_photos/') == (
+      os.path.join('workdirs', 'default_data_my_photos'))
+  assert workdirs.default_workdir('configs/vit.py:ti16,cifar10', '~/photos') == os.path.join(
       'workdirs', 'vit_ti16_cifar10_photos')
 
 

@@ -1,5 +1,6 @@
-"""Tests of vit_jax.plan (the train step compiled for Cloud TPU slices that are not here) and of
-vit_jax.training.fit (the check that a step fits its devices' memory, in plan and in main)."""
+"""Tests of vit_jax.plan (the train step compiled for Cloud TPU slices that are not here), of
+vit_jax.tpu_topologies (the slices) and of vit_jax.training.fit (the check that a step fits its
+devices' memory, in plan and in main)."""
 import ast
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 
 import helpers
 from vit_jax import console
+from vit_jax import tpu_topologies
 from vit_jax.config import defaults
 from vit_jax.models import registry
 from vit_jax.models import attention as attention_kernels
@@ -32,7 +34,7 @@ def tpu_compiler():
   names = ('ALLOW_MULTIPLE_LIBTPU_LOAD', 'TPU_SKIP_MDS_QUERY', 'TPU_ACCELERATOR_TYPE',
            'TPU_WORKER_HOSTNAMES')
   before = {name: os.environ.pop(name, None) for name in names}
-  plan.use_tpu_compiler_only(plan.parse_topology('v5e-4'))
+  tpu_topologies.use_tpu_compiler_only(tpu_topologies.parse_topology('v5e-4'))
   yield
   for name, value in before.items():
     os.environ.pop(name, None)
@@ -94,20 +96,20 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
     ('v6e-256', 256, 64, (16, 16)),
 ])
 def test_topology_names_map_to_chips_and_hosts_as_cloud_tpu_documents(name, chips, hosts, grid):
-  topology = plan.parse_topology(name)
+  topology = tpu_topologies.parse_topology(name)
   assert (topology.chips, topology.hosts, topology.grid) == (chips, hosts, grid)
 
 
 @pytest.mark.parametrize('name', ['v5e-3', 'v4-4', 'v7-8', 'tpu'])
 def test_an_unknown_topology_is_one_line_naming_the_sizes(name):
-  with pytest.raises(plan.PlanError, match='topology'):
-    plan.parse_topology(name)
+  with pytest.raises(tpu_topologies.TopologyError, match='topology'):
+    tpu_topologies.parse_topology(name)
 
 
 def tpu_mesh(config, name, slices=1):
   """The mesh of `config` over the compile-only devices of the slice `name`."""
-  return train_setup.make_mesh(config, plan.compile_only_devices(
-      plan.parse_topology(name, slices)))
+  return train_setup.make_mesh(config, tpu_topologies.compile_only_devices(
+      tpu_topologies.parse_topology(name, slices)))
 
 
 @pytest.mark.parametrize('strategy, model_axis', [
@@ -119,12 +121,12 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
   compiled = fit.lower_train_step(config, mesh, 10).compile()
   assert {d.platform for d in mesh.devices.flat} == {'tpu'}
   assert dict(mesh.shape) == {'data': 4 // model_axis, 'model': model_axis}
-  assert 0 < fit.memory_of(compiled).total_bytes < plan.GENERATIONS['v5e'].hbm_bytes
+  assert 0 < fit.memory_of(compiled).total_bytes < tpu_topologies.GENERATIONS['v5e'].hbm_bytes
 
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
   config = helpers.tiny_config(attention='splash', dtype='bfloat16')
-  result = plan.plan(config, plan.parse_topology('v5e-4'), 10)
+  result = plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
   assert result['fits'] and result['config']['attention'] == 'splash'
   # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
   assert result['tpu_custom_calls'] == {'splash_mha_fwd_residuals': 1,
@@ -279,5 +281,5 @@ def notebook_config():
 
 
 def test_the_notebooks_training_step_compiles_for_colabs_single_v5e_chip():
-  result = plan.plan(notebook_config(), plan.parse_topology('v5e-1'), 10)
+  result = plan.plan(notebook_config(), tpu_topologies.parse_topology('v5e-1'), 10)
   assert result['fits'] and result['topology']['chips'] == 1 and result['eval']['fits']

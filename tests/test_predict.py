@@ -1,4 +1,5 @@
-"""Tests of the command-line classifier, vit_jax/predict.py, on the real photos in tests/data."""
+"""Tests of the command-line classifier, vit_jax/tools/predict.py, on the real photos in
+tests/data."""
 import re
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 from helpers import PHOTOS
 from helpers import random_params
 from vit_jax.checkpoints import npz
+from vit_jax.data import image_files
 from vit_jax.models import registry
 from vit_jax.models import vit
 from vit_jax.tools import predict
@@ -52,7 +54,7 @@ def test_prints_top_5_of_each_real_photo_and_reports_bad_files_by_name(files, ca
   assert list(results) == PHOTOS
 
   model = registry.get_model('testing', num_classes=5)
-  images = np.stack([predict.load_image(p, 32) for p in PHOTOS])
+  images = np.stack([image_files.load_image(p, 32) for p in PHOTOS])
   expected = jax.jit(lambda x: jax.nn.softmax(model.apply({'params': params}, x, train=False)))(
       images)
   for path, probabilities in zip(PHOTOS, np.asarray(expected) * 100):
@@ -81,23 +83,10 @@ def test_workdir_of_a_run_is_classified_by_its_saved_model(tmp_path, capsys):
   assert predict.main(['--checkpoint', str(tmp_path), PHOTOS[0]]) == 0
   out = capsys.readouterr().out
   assert out.startswith(f'{PHOTOS[0]} (28x28 px):\n')
-  image = predict.load_image(PHOTOS[0], 28)[None]
+  image = image_files.load_image(PHOTOS[0], 28)[None]
   expected = 100 * np.asarray(jax.nn.softmax(model.apply({'params': params}, image, train=False)))
   top = parse_output(out)[PHOTOS[0]]
   assert [i for _, _, i in top] == list(np.argsort(-expected[0])[:3])
-
-
-def test_load_image_resizes_and_scales_to_minus_one_one():
-  image = predict.load_image(PHOTOS[0], 64)
-  assert image.shape == (64, 64, 3) and image.dtype == np.float32
-  assert -1 <= image.min() < -0.5 and 0.5 < image.max() <= 1
-  assert predict.load_image(PHOTOS[3], 64).shape == (64, 64, 3)  # A 32x32 PNG, upsampled.
-
-
-def test_imagenet2012_labels_are_tfds_names_in_label_order():
-  names = predict.load_labels('imagenet2012', 1000)
-  assert len(names) == 1000
-  assert (names[0], names[243], names[438]) == ('n01440764', 'n02108422', 'n02815834')
 
 
 def test_checkpoint_errors_are_one_line_and_exit_with_1(files, capsys):

@@ -1,6 +1,7 @@
 """vit_jax: the Vision Transformer in JAX/Flax.
 
-The subpackages: models, data, checkpoints, training, tasks, evaluators, config, tools
+The subpackages: models, data, checkpoints, training, tasks, evaluators, config, distributed,
+tools
 (docs/design.md draws how they import each other).
 
 The library modules that moved into them keep their old names here (MOVED): `from vit_jax
@@ -20,6 +21,8 @@ import warnings
 MOVED = {
     'analysis': 'vit_jax.models.analysis',
     'fit': 'vit_jax.training.fit',
+    'gone_process': 'vit_jax.distributed.gone_process',
+    'heartbeats': 'vit_jax.distributed.heartbeats',
     'input_pipeline': 'vit_jax.data.pipeline',
     'input_pipeline_sources': 'vit_jax.data.sources',
     'model_init': 'vit_jax.models.blank',

@@ -1,4 +1,5 @@
-"""The default run, the help and ranges of config fields, and the checks run before compiling."""
+"""The default run, the help and ranges of config fields, the checks run before compiling, and
+the --config flag of the commands."""
 import vit_jax
 
 # The names that `vit_jax.config` offered when it was a module.

@@ -40,8 +40,8 @@ from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.checkpoints import torch_layout
+from vit_jax.data import image_files
 from vit_jax.models import encoder
-from vit_jax.tools import predict
 
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
 LAYOUTS = {'timm': torch_layout.TIMM, 'hf': torch_layout.HUGGING_FACE}
@@ -299,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        f'{args.format} has no place for class names: drop --labels.')
     model, params = runs.load_model(args.checkpoint, args.model)
     image_size = runs.native_image_size(params, model)
-    labels = predict.load_labels(args.labels, model.num_classes)
+    labels = image_files.load_labels(args.labels, model.num_classes)
     export(model, params, image_size, args.format, out, labels)
   except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)

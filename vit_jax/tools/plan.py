@@ -12,7 +12,6 @@ step fits, 1 where it does not (the one line then names what would fit, as main'
 NAME is a Cloud TPU accelerator type: v4-8 ... v4-4096, v5e-1 ... v5e-256 (or v5litepod-N),
 v5p-8 ..., v6e-1 ... v6e-256.
 """
-import dataclasses
 import importlib.metadata
 import json
 import math
@@ -24,14 +23,14 @@ import time
 from absl import app
 from absl import flags
 import jax
-from jax.experimental import topologies
 import jax.numpy as jnp
 import ml_collections
 
 from vit_jax import console
 from vit_jax import hardware
-from vit_jax import main as main_command
+from vit_jax import tpu_topologies
 from vit_jax.config import checks
+from vit_jax.config import command_line
 from vit_jax.models import attention
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
@@ -44,39 +43,9 @@ flags.DEFINE_integer('slices', 1, 'Slices of that type joined by the data-centre
 flags.DEFINE_integer('num_classes', None, "Classes of the model's head; default: those of "
                      'config.dataset where DATASET_CLASSES knows it.')
 flags.DEFINE_string('out', None, 'Also write the plan as JSON to this file.')
-
-# Sources: Google Cloud TPU documentation, "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e" (system
-# architecture and configurations), https://cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}.
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  """A Cloud TPU generation, per chip: HBM bytes, dense bfloat16 FLOP/s, HBM bytes/s."""
-  name: str  # As libtpu names it in a topology ('v5e:4x4').
-  hbm_bytes: int
-  bf16_flops: float
-  hbm_bytes_per_second: float
-  cores_per_chip_in_name: int  # v4-8 and v5p-8 count TensorCores (2 a chip); v5e and v6e chips.
-  shapes: dict  # {chips: the slice's chip grid}, as the documentation lists the slices.
-  chip_config: str = 'default'  # libtpu's: v4 runs its two TensorCores as one device.
-
-
-GRID_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
-           128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16),
-           4096: (16, 16, 16), 6144: (16, 16, 24)}
-GRID_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
-           256: (16, 16)}
-GENERATIONS = {
-    'v4': Generation('v4', 32 * 2**30, 275e12, 1200e9, 2,
-                     {c: s for c, s in GRID_3D.items() if c <= 2048}, 'megacore'),
-    'v5e': Generation('v5e', 16 * 10**9, 197e12, 819e9, 1, GRID_2D),
-    'v5p': Generation('v5p', 95 * 10**9, 459e12, 2765e9, 2, GRID_3D),
-    'v6e': Generation('v6e', 32 * 10**9, 918e12, 1640e9, 1, GRID_2D),
-}
-ALIASES = {'v5litepod': 'v5e'}
-# Slices of up to this many chips are one host (one VM); larger ones have 4 chips a host.
-SINGLE_HOST_CHIPS = {'v4': 4, 'v5e': 8, 'v5p': 4, 'v6e': 8}
-CHIPS_PER_HOST = 4
+flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
+                  '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
+                  'libraries\' warnings.')
 
 # Classes of the datasets the configs name, for the head (a dataset elsewhere: --num_classes).
 DATASET_CLASSES = {'fashion_mnist_embedded': 10, 'cifar10': 10, 'cifar100': 100,
@@ -85,73 +54,7 @@ DATASET_CLASSES = {'fashion_mnist_embedded': 10, 'cifar10': 10, 'cifar100': 100,
 
 
 class PlanError(ValueError):
-  """A topology or option that cannot be planned (one line)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """A slice: its generation, chips, chip grid and hosts, and how many such slices."""
-  name: str
-  generation: Generation
-  chips: int
-  grid: tuple
-  hosts: int
-  slices: int = 1
-
-  @property
-  def chips_per_host(self) -> int:
-    return self.chips // self.hosts
-
-  def host_bounds(self) -> tuple:
-    """The chip grid of one host, as libtpu takes it (x, y, z)."""
-    if self.hosts == 1:
-      return tuple(self.grid) + (1,) * (3 - len(self.grid))
-    return (2, 2, 1)
-
-
-def parse_topology(name: str, slices: int = 1) -> Topology:
-  """The Topology of a Cloud TPU accelerator type ('v5e-16', 'v5litepod-16', 'v4-32')."""
-  match = re.fullmatch(r'(v\d\w*)-(\d+)', name or '')
-  kind = ALIASES.get(match[1], match[1]) if match else None
-  if kind not in GENERATIONS:
-    raise PlanError(f'--topology={name!r} is not a Cloud TPU accelerator type: use e.g. '
-                    f'v5e-16, v5litepod-16, v4-32, v5p-8 or v6e-4 ({", ".join(GENERATIONS)}).')
-  generation = GENERATIONS[kind]
-  count = int(match[2])
-  chips, extra = divmod(count, generation.cores_per_chip_in_name)
-  if extra or chips not in generation.shapes:
-    sizes = ', '.join(f'{kind}-{c * generation.cores_per_chip_in_name}'
-                      for c in generation.shapes)
-    raise PlanError(f'--topology={name!r}: {kind} slices are {sizes}.')
-  if slices < 1:
-    raise PlanError(f'--slices={slices} must be 1 or more.')
-  hosts = 1 if chips <= SINGLE_HOST_CHIPS[kind] else chips // CHIPS_PER_HOST
-  return Topology(name, generation, chips, generation.shapes[chips], hosts, slices)
-
-
-def compile_only_devices(topology: Topology) -> list:
-  """The TPU devices of `topology` (all its slices), which compile but do not run."""
-  grid = 'x'.join(map(str, topology.grid))
-  description = topologies.get_topology_desc(
-      platform='tpu', topology_name=f'{topology.generation.name}:{grid}',
-      chip_config_name=topology.generation.chip_config,
-      chips_per_host_bounds=topology.host_bounds(), num_slices=topology.slices)
-  return list(description.devices)
-
-
-def use_tpu_compiler_only(topology: Topology) -> None:
-  """Sets this process up to compile for `topology` with libtpu without claiming any TPU: JAX
-  runs on the CPU; libtpu takes no host-wide lock (it may share the host with a run on its
-  chips, or another plan) and is told the accelerator type and hosts, which it would otherwise
-  look up, warn about and fail to find off a TPU VM; JAX's persistent compilation cache stays
-  off. Call it before JAX starts."""
-  jax.config.update('jax_platforms', 'cpu')
-  # Its executables need a TPU client to be read back from JAX's persistent cache.
-  jax.config.update('jax_enable_compilation_cache', False)
-  os.environ['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', topology.name)
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  """An option that cannot be planned (one line)."""
 
 
 def num_classes_of(config: ml_collections.ConfigDict, given) -> int:
@@ -172,21 +75,21 @@ def shard_bytes(tree) -> int:
   return total
 
 
-def roofline(flops: float, bytes_accessed: float, generation: Generation) -> float:
+def roofline(flops: float, bytes_accessed: float, generation: tpu_topologies.Generation) -> float:
   """A lower bound on the seconds of a step: its FLOPs at the chip's bf16 peak, or its HBM
   traffic at the chip's bandwidth, whichever takes longer."""
   return max(flops / generation.bf16_flops, bytes_accessed / generation.hbm_bytes_per_second)
 
 
-def topology_mesh(config: ml_collections.ConfigDict, topology: Topology):
+def topology_mesh(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology):
   """The mesh of `config` over the compile-only devices of `topology`, the config first
   validated for them (checks.ConfigError)."""
-  devices = compile_only_devices(topology)
+  devices = tpu_topologies.compile_only_devices(topology)
   checks.validate_config(config, len(devices), devices[0].platform)
   return train_setup.make_mesh(config, devices)
 
 
-def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: Topology,
+def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topologies.Topology,
                     num_classes: int) -> tuple[dict, fit.StepMemory]:
   """The training step of `config` lowered and compiled for `mesh` (over `topology`'s devices):
   (the plan's dict without the evaluation step, the step's StepMemory). The dict's `fits` says
@@ -227,7 +130,8 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: Topology,
   return result, used
 
 
-def plan(config: ml_collections.ConfigDict, topology: Topology, num_classes: int) -> dict:
+def plan(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology,
+         num_classes: int) -> dict:
   """Compiles the training and evaluation steps of `config` for `topology`; the plan as a dict
   (the JSON of --out). Raises checks.ConfigError, or PlannedError (a fit.FitError naming
   what would fit, as main's check does) where the step does not fit a chip's HBM."""
@@ -374,16 +278,21 @@ def write_json(result: dict, path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """command_line.parse_flags, called from this module so that --config is its flag in --help."""
+  return command_line.parse_flags(argv)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   console.setup(flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
   try:
-    topology = parse_topology(flags.FLAGS.topology, flags.FLAGS.slices)
+    topology = tpu_topologies.parse_topology(flags.FLAGS.topology, flags.FLAGS.slices)
     num_classes = num_classes_of(flags.FLAGS.config, flags.FLAGS.num_classes)
-  except PlanError as e:
+  except (tpu_topologies.TopologyError, PlanError) as e:
     sys.exit(f'Plan error: {e}')
-  use_tpu_compiler_only(topology)
+  tpu_topologies.use_tpu_compiler_only(topology)
   try:
     result = plan(flags.FLAGS.config, topology, num_classes)
   except PlannedError as e:
@@ -400,4 +309,4 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.skip_absent_tpu()
-  app.run(main, flags_parser=main_command.parse_flags)
+  app.run(main, flags_parser=parse_flags)

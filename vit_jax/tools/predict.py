@@ -16,61 +16,18 @@ A missing file or an image that cannot be decoded is reported by name, the other
 classified, and the exit status is 1.
 """
 import argparse
-import importlib.util
-import os
 import sys
 from typing import Optional
 
 import jax
 import numpy as np
-from PIL import Image
 
 from vit_jax import console
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import runs
+from vit_jax.data import image_files
 
 BATCH_SIZE = 16
-# The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
-IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
-
-
-def imagenet2012_labels_path() -> str:
-  spec = importlib.util.find_spec('tensorflow_datasets')
-  if spec is None:
-    raise FileNotFoundError('--labels imagenet2012 reads its names from tensorflow-datasets, '
-                            'which is not installed; pass a labels file instead.')
-  return os.path.join(spec.submodule_search_locations[0], *IMAGENET2012_LABELS)
-
-
-def load_labels(labels: Optional[str], num_classes: int,
-                saved: Optional[list[str]] = None) -> list[str]:
-  """Class names: 'imagenet2012', a text file with one name per line, or None: the names saved
-  with the model (`saved`, runs.saved_label_names), else class indices."""
-  if labels is None:
-    if saved and len(saved) == num_classes:
-      return list(saved)
-    return [f'class {i}' for i in range(num_classes)]
-  path = imagenet2012_labels_path() if labels == 'imagenet2012' else labels
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'No such labels file: {path}')
-  with open(path) as f:
-    names = [line.strip() for line in f if line.strip()]
-  if len(names) != num_classes:
-    raise ValueError(f'The labels ({path}) name {len(names)} classes but the checkpoint has '
-                     f'{num_classes}.')
-  return names
-
-
-def load_image(path: str, image_size: int) -> np.ndarray:
-  """The image at `path` as (image_size, image_size, 3) float32 RGB values in [-1, 1]."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path}: no such file')
-  try:
-    with Image.open(path) as image:
-      image = image.convert('RGB').resize((image_size, image_size), Image.Resampling.BILINEAR)
-  except (OSError, ValueError, Image.DecompressionBombError) as e:
-    raise ValueError(f'{path}: cannot decode the image ({e})') from None
-  return np.asarray(image, np.float32) / 127.5 - 1
 
 
 def resized_to(params: dict, model, image_size: int) -> dict:
@@ -109,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, params = runs.load_model(args.checkpoint, args.model)
     image_size = args.image_size or runs.native_image_size(params, model)
     params = resized_to(params, model, image_size)
-    labels = load_labels(args.labels, model.num_classes,
+    labels = image_files.load_labels(args.labels, model.num_classes,
                          runs.saved_label_names(args.checkpoint))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
@@ -118,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   images, failed = {}, False
   for path in args.images:
     try:
-      images[path] = load_image(path, image_size)
+      images[path] = image_files.load_image(path, image_size)
     except (ValueError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr)
       failed = True

@@ -42,9 +42,9 @@ from PIL import Image
 from vit_jax import console
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
+from vit_jax.data import image_files
 from vit_jax.models import analysis
 from vit_jax.models import positions
-from vit_jax.tools import predict
 
 FIGURES = ('attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
            'mean_attention_distance', 'embedding_filters', 'training_curves')
@@ -311,7 +311,7 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   if set(args.figures) - {'training_curves'}:
     model, params, image_size = load_model(args.checkpoint, args.model)
     if args.images:
-      images = np.stack([predict.load_image(path, image_size) for path in args.images])
+      images = np.stack([image_files.load_image(path, image_size) for path in args.images])
     elif args.num_images > 0:
       images = embedded_images(args.num_images, image_size)
     else:

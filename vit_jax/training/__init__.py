@@ -1,1 +1,2 @@
-"""The training loop, its update step, the mesh and model set-up, the train state's checkpoints."""
+"""The training loop, its update step, the mesh and model set-up, the train state's checkpoints,
+a run's workdir."""

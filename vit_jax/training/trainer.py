@@ -236,10 +236,8 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
         jax.block_until_ready(state)
         timer_start, timer_step = time.perf_counter(), step
       if step % config.progress_every == 0 or step == config.total_steps:
-        check_finite(step, metrics)
-        logged = log_progress(config, step, metrics, (timer_start, timer_step),
-                              flops_per_image_over_peak)
-        writer.write_scalars(step, logged)
+        logged = report_progress(config, step, metrics, (timer_start, timer_step), writer,
+                                 flops_per_image_over_peak)
         last_metrics.update(logged)
         logged_losses[step] = float(logged['train_loss'])
         timer_start, timer_step = time.perf_counter(), step
@@ -247,8 +245,7 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
       checkpointed = (preempted or step % config.checkpoint_every == 0
                       or step == config.total_steps)
       if checkpointed:
-        check_finite(step, metrics)
-        checkpoints.save(state, train_iter.get_state())
+        save_finite(checkpoints, step, state, metrics, train_iter)
       if preempted:
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
                         watcher.signal_name or 'SIGTERM')
@@ -260,8 +257,7 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
           last_metrics.update(evaluate_due(config, step, state, evals, writer))
       except preemption.EvaluationStopped as e:
         if not checkpointed:
-          check_finite(step, metrics)
-          checkpoints.save(state, train_iter.get_state())
+          save_finite(checkpoints, step, state, metrics, train_iter)
         return state, {**last_metrics,
                        **stop_evaluation(e, step, final=step == config.total_steps)}
       timer_start += time.perf_counter() - eval_start  # Leave evaluation out of the throughput.
@@ -274,6 +270,24 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
       e.final_state = state
     raise
   return state, last_metrics
+
+
+def report_progress(config, step: int, metrics: dict, since: tuple[float, int], writer,
+                    flops_per_image_over_peak: float) -> dict[str, float]:
+  """Checks that `step` is finite (check_finite), then logs its line (log_progress) and writes
+  its metrics to `writer`; returns them as log_progress does."""
+  check_finite(step, metrics)
+  logged = log_progress(config, step, metrics, since, flops_per_image_over_peak)
+  writer.write_scalars(step, logged)
+  return logged
+
+
+def save_finite(checkpoints: Checkpoints, step: int, state: TrainState, metrics: dict,
+                train_iter) -> None:
+  """Starts the checkpoint of `state` at `step` and of `train_iter`'s data order, once
+  check_finite passed on the step's `metrics`: a diverged state is never saved."""
+  check_finite(step, metrics)
+  checkpoints.save(state, train_iter.get_state())
 
 
 def log_progress(config, step: int, metrics: dict, since: tuple[float, int],

@@ -57,14 +57,14 @@ def gone_line(gone: str, workdir: str, process_count: int, process_index: int,
 
 def filter_stderr(workdir: str, process_count: int, process_index: int, command: str) -> None:
   """Sends this process's file descriptor 2 (what C++ and Python write to stderr) through
-  `python -m vit_jax.gone_process` (this module), which writes it to the former stderr and
-  ends when the pipe closes, that is when this process has ended. SIGINT and SIGTERM are
-  blocked in it from its start: a terminal's Ctrl-C and a scheduler's SIGTERM reach every
+  `python -m vit_jax.distributed.gone_process` (this module), which writes it to the former
+  stderr and ends when the pipe closes, that is when this process has ended. SIGINT and SIGTERM
+  are blocked in it from its start: a terminal's Ctrl-C and a scheduler's SIGTERM reach every
   process of the group, and the filter has to outlive this process to pass its last lines on."""
   sys.stderr.flush()
   read, write = os.pipe()
   os.posix_spawn(
-      sys.executable, [sys.executable, '-m', 'vit_jax.gone_process', workdir,
+      sys.executable, [sys.executable, '-m', 'vit_jax.distributed.gone_process', workdir,
                        str(process_count), str(process_index), command], os.environ,
       file_actions=[(os.POSIX_SPAWN_DUP2, 2, 1), (os.POSIX_SPAWN_DUP2, read, 0)],
       setsigmask={signal.SIGINT, signal.SIGTERM})
@@ -111,8 +111,9 @@ def write_all(sink: BinaryIO, pieces: list[bytes]) -> None:
 
 
 def main(argv: list[str]) -> None:
-  """The filter: `python -m vit_jax.gone_process WORKDIR PROCESS_COUNT PROCESS_INDEX COMMAND`
-  copies its stdin to its stdout (the stderr the process had before `filter_stderr`)."""
+  """The filter: `python -m vit_jax.distributed.gone_process WORKDIR PROCESS_COUNT
+  PROCESS_INDEX COMMAND` copies its stdin to its stdout (the stderr the process had before
+  `filter_stderr`)."""
   workdir, count, index, command = argv[1:]
 
   def process_0_gone() -> bytes:

@@ -1,0 +1,52 @@
+"""A user's own files for a trained model: images to classify or look into, read at the model's
+resolution, and class names, one a line. PIL and NumPy only: no TensorFlow.
+"""
+import importlib.util
+import os
+from typing import Optional
+
+import numpy as np
+from PIL import Image
+
+# The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
+IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
+
+
+def imagenet2012_labels_path() -> str:
+  """The labels file of tfds' imagenet2012 inside the installed tensorflow-datasets."""
+  spec = importlib.util.find_spec('tensorflow_datasets')
+  if spec is None:
+    raise FileNotFoundError('--labels imagenet2012 reads its names from tensorflow-datasets, '
+                            'which is not installed; pass a labels file instead.')
+  return os.path.join(spec.submodule_search_locations[0], *IMAGENET2012_LABELS)
+
+
+def load_labels(labels: Optional[str], num_classes: int,
+                saved: Optional[list[str]] = None) -> list[str]:
+  """Class names: 'imagenet2012', a text file with one name per line, or None: the names saved
+  with the model (`saved`, runs.saved_label_names), else class indices."""
+  if labels is None:
+    if saved and len(saved) == num_classes:
+      return list(saved)
+    return [f'class {i}' for i in range(num_classes)]
+  path = imagenet2012_labels_path() if labels == 'imagenet2012' else labels
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No such labels file: {path}')
+  with open(path) as f:
+    names = [line.strip() for line in f if line.strip()]
+  if len(names) != num_classes:
+    raise ValueError(f'The labels ({path}) name {len(names)} classes but the checkpoint has '
+                     f'{num_classes}.')
+  return names
+
+
+def load_image(path: str, image_size: int) -> np.ndarray:
+  """The image at `path` as (image_size, image_size, 3) float32 RGB values in [-1, 1]."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such file')
+  try:
+    with Image.open(path) as image:
+      image = image.convert('RGB').resize((image_size, image_size), Image.Resampling.BILINEAR)
+  except (OSError, ValueError, Image.DecompressionBombError) as e:
+    raise ValueError(f'{path}: cannot decode the image ({e})') from None
+  return np.asarray(image, np.float32) / 127.5 - 1

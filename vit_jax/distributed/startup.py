@@ -1,0 +1,42 @@
+"""The start of JAX's multi-process runtime, and the end of a process whose peer is gone."""
+import logging
+import os
+import sys
+
+import jax
+
+from vit_jax.distributed import gone_process
+
+# Variables by which clusters that jax.distributed.initialize() detects by itself announce
+# more than one process (Slurm, Open MPI, multi-host TPU slices).
+CLUSTER_SIZE_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+
+
+def initialize(coordinator_address: str | None, num_processes: int | None,
+               process_id: int) -> bool:
+  """Starts JAX's multi-process runtime when this is one of several processes: with
+  `coordinator_address` (host:port of process 0), `num_processes` and this `process_id` where
+  an address is given, else as a cluster that JAX detects announces them; returns whether it
+  did."""
+  if coordinator_address:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  elif (any(int(os.environ.get(v, 1)) > 1 for v in CLUSTER_SIZE_VARIABLES)
+        or ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '')):
+    jax.distributed.initialize()
+  else:
+    return False
+  return True
+
+
+def exit_for_gone_process(workdir: str, command: str, process: int, seconds: float) -> None:
+  """heartbeats.PeerWatch's `on_gone`, `workdir` and `command` (the one that resumes this
+  process) given first: says in one line which process is gone and how to resume, and ends this
+  process at once (its collectives would wait for the gone one until JAX's runtime aborts
+  it)."""
+  for handler in logging.getLogger().handlers:
+    handler.flush()
+  sys.stderr.write(gone_process.gone_line(
+      f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s',
+      workdir, jax.process_count(), jax.process_index(), command) + '\n')
+  sys.stderr.flush()
+  os._exit(1)
