@@ -13,6 +13,11 @@ MlpBlock_0}`,
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
 Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
 'mlp' M, ...) for vit_jax.sharding's rules; parameter trees stay plain arrays.
+
+`VisionTransformer.__call__` runs the stages `embed_patches`, `add_class_token`, `encode` and
+`pool_and_classify`. Each declares its parameters under the names above, whichever compact
+method calls it, so that a subclass (vit_jax.tasks.mpp.MaskedPatchViT) recombines them in its
+own `__call__` without changing the layout.
 """
 from typing import Any, Optional, Sequence
 
@@ -157,15 +162,10 @@ class VisionTransformer(nn.Module):
     """
     return self(images, train=train, head=False)
 
-  @nn.compact
-  def __call__(self, images, *, train, head=True, patch_task=None):
-    """Logits, or with `head=False` the `features` they are computed from.
-
-    `patch_task` (vit_jax.tasks.mpp.PatchTask, for masked patch prediction) changes the patch
-    embeddings (B, N, D) by its `corrupt(self, patches)` before the class token and the position
-    embeddings join them, and returns, in place of pooling and head, its `predict(self, tokens)`
-    of the encoder outputs of the patch tokens (B, N, D).
-    """
+  def embed_patches(self, images) -> tuple[jax.Array, tuple[int, int]]:
+    """(B, H, W, 3) images -> (their patch embeddings (B, N, D), N = rows * columns in row-major
+    order, the grid (rows, columns)), through the ResNet stem first for hybrids. A stage of a
+    compact method: it declares `embedding` and the stem's parameters."""
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
@@ -173,26 +173,36 @@ class VisionTransformer(nn.Module):
     x = PatchEmbedding(hidden_size=self.hidden_size, patch_size=self.patch_size, dtype=self.dtype,
                        name='embedding')(x)
     b, h, w, d = x.shape
-    x = reshape_rows(x, h * w, d)
-    if patch_task is not None:
-      x = patch_task.corrupt(self, x)
+    return reshape_rows(x, h * w, d), (h, w)
 
-    if self.has_class_token:
-      cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
-      cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d), out_sharding=jax.typeof(x).sharding)
-      x = jnp.concatenate([cls, x], axis=1)
+  def add_class_token(self, patches: jax.Array) -> jax.Array:
+    """(B, N, D) patch embeddings -> the (B, T, D) tokens the encoder takes: the learned `cls`
+    first (T = N + 1) where the classifier has a class token, else the patches (T = N)."""
+    if not self.has_class_token:
+      return patches
+    b, _, d = patches.shape
+    cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
+    cls = jnp.broadcast_to(cls.astype(patches.dtype), (b, 1, d),
+                           out_sharding=jax.typeof(patches).sharding)
+    return jnp.concatenate([cls, patches], axis=1)
 
-    x = encoder.Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
-                dropout_rate=self.dropout_rate,
-                attention_dropout_rate=self.attention_dropout_rate,
-                approximate_gelu=self.approximate_gelu, dtype=self.dtype,
-                scan_layers=self.scan_layers, remat_policy=self.remat_policy,
-                attention=self.attention, stochastic_depth=self.stochastic_depth,
-                stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
-                name='Transformer')(x, train=train, grid=(h, w))
-    if patch_task is not None:
-      return patch_task.predict(self, x[:, int(self.has_class_token):])
+  def encode(self, tokens: jax.Array, grid: tuple[int, int], *, train: bool) -> jax.Array:
+    """(B, T, D) tokens of patches on `grid` -> the encoder's outputs (B, T, D), after its final
+    LayerNorm; declares `Transformer`."""
+    return encoder.Encoder(
+        num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        approximate_gelu=self.approximate_gelu, dtype=self.dtype, scan_layers=self.scan_layers,
+        remat_policy=self.remat_policy, attention=self.attention,
+        stochastic_depth=self.stochastic_depth,
+        stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
+        name='Transformer')(tokens, train=train, grid=grid)
 
+  def pool_and_classify(self, tokens: jax.Array, *, head: bool = True) -> jax.Array:
+    """(B, T, D) encoder outputs -> float32 logits, pooled as the classifier says (the class
+    token, the mean, or none), through `pre_logits` where the model has one and `head`; with
+    `head=False`, the features before `head`."""
+    x = tokens
     if self.classifier == 'token':
       x = x[:, 0]
     elif self.classifier == 'gap':
@@ -212,3 +222,12 @@ class VisionTransformer(nn.Module):
                       bias_init=with_axes(nn.initializers.constant(self.head_bias_init),
                                           'classes'))(x)
     return logits.astype(jnp.float32)
+
+  @nn.compact
+  def __call__(self, images, *, train, head=True):
+    """Logits, or with `head=False` the `features` they are computed from: the stages
+    `embed_patches`, `add_class_token`, `encode` and `pool_and_classify`, which subclasses
+    (vit_jax.tasks.mpp.MaskedPatchViT) recombine."""
+    patches, grid = self.embed_patches(images)
+    tokens = self.encode(self.add_class_token(patches), grid, train=train)
+    return self.pool_and_classify(tokens, head=head)
