@@ -1,6 +1,8 @@
 """Tests of the Vision Transformer modules, vit_jax/models/vit.py."""
 import contextlib
 import io
+import json
+import os
 
 import jax
 import jax.ad_checkpoint
@@ -10,14 +12,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from helpers import DATA
 from helpers import TINY_VIT as TINY
 from helpers import images_of
 from helpers import random_params
 from helpers import tiny_vit
+from vit_jax import sharding
 from vit_jax.checkpoints import npz
+from vit_jax.models import blank
 from vit_jax.models import registry
 from vit_jax.models import resnet
 from vit_jax.models import attention
+from vit_jax.tasks import mpp
 
 
 # A hand-written reference of equations (1)-(4) of the paper, in numpy.
@@ -88,6 +94,39 @@ def test_parameter_tree_is_the_published_one():
   assert set(shapes) == {'embedding', 'cls', 'Transformer', 'pre_logits', 'head'}
   np.testing.assert_array_equal(params['head']['kernel'], 0)
   np.testing.assert_array_equal(params['cls'], 0)
+
+
+# The models of tests/data/param_layouts.json, by name: TINY_VIT's overrides, and for the
+# MaskedPatchViTs their target.
+LAYOUT_MODELS = {
+    'plain': {}, 'representation': dict(representation_size=7),
+    'scan_gap': dict(scan_layers=True, classifier='gap'),
+    'hybrid': dict(patch_size=(1, 1), resnet_layers=(), resnet_width_factor=0.5),
+    'hybrid_scan': dict(patch_size=(1, 1), resnet_layers=(1,), resnet_width_factor=0.5,
+                        scan_layers=True),
+    'learned_2d': dict(posemb='learned_2d'),
+    'relative_scan': dict(posemb='relative', scan_layers=True)}
+MPP_LAYOUT_MODELS = {'mpp': ({}, 'mean_color_3bit'),
+                     'mpp_scan_gap': (dict(scan_layers=True, classifier='gap'), 'downsampled_3bit')}
+
+
+def layout_model(name):
+  """The model named `name` in tests/data/param_layouts.json."""
+  if name in MPP_LAYOUT_MODELS:
+    overrides, target = MPP_LAYOUT_MODELS[name]
+    return mpp.with_mpp(tiny_vit(**overrides), target)
+  return tiny_vit(**LAYOUT_MODELS[name])
+
+
+@pytest.mark.parametrize('name', [*LAYOUT_MODELS, *MPP_LAYOUT_MODELS])
+def test_parameter_paths_and_shapes_are_the_recorded_ones(name):
+  # Checkpoints and model.npz files hold this layout: it must not change.
+  with open(os.path.join(DATA, 'param_layouts.json')) as f:
+    recorded = json.load(f)[name]
+  shapes = blank.param_shapes(layout_model(name), 16)
+  found = {'/'.join(sharding.path_names(path)): list(leaf.shape)
+           for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
+  assert found == recorded
 
 
 def test_exact_gelu_differs_from_tanh_approximation():

@@ -119,10 +119,10 @@ def test_masked_and_replaced_patches_get_no_gradient_through_their_pixels(model,
   # Image 0, patch 0 masked, patch 1 given image 1's patch 3 (index 4 + 3), patch 2 kept.
   kinds = jnp.array([[mpp.MASK, mpp.RANDOM, mpp.KEEP, mpp.UNCHOSEN], [mpp.UNCHOSEN] * 4])
   sources = jnp.zeros((2, 4), jnp.int32).at[0, 1].set(7)
-  task = mpp.PatchTask(mpp.Plan(kinds, sources), 512)
+  plan = mpp.Plan(kinds, sources)
   images = jax.random.uniform(jax.random.key(2), (2, 16, 16, 3), minval=-1, maxval=1)
   predict = lambda x: jnp.sum(model.apply({'params': random_params}, x, train=False,
-                                          patch_task=task)**2)
+                                          plan=plan)**2)
   grads = mpp.patches_of(jax.jit(jax.grad(predict))(images), (8, 8))
   norms = np.asarray(jnp.sqrt(jnp.sum(grads**2, axis=(2, 3, 4))))
   assert norms[0, 0] == 0 and norms[0, 1] == 0  # Masked; replaced by another patch.

@@ -19,7 +19,7 @@ import scipy.ndimage
 from vit_jax.checkpoints import npz
 from vit_jax.models import positions
 from vit_jax.models import registry
-from vit_jax.tasks import mpp
+from vit_jax import tasks
 
 
 POSEMB_PATH = ('Transformer', 'posembed_input', 'pos_embedding')
@@ -284,10 +284,10 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
 
 
 def _fit_pretraining_params(restored: dict, target: dict, source: str) -> dict:
-  """`restored` (flat) without the masked-patch-prediction parameters (vit_jax.tasks.mpp) that
-  `target` lacks (fine-tuning a pre-trained model; logged), and with `target`'s fresh ones
-  that it lacks (pre-training from a published model)."""
-  extra = lambda path: path[0].startswith(mpp.PARAM_PREFIX)
+  """`restored` (flat) without the parameters a task adds (tasks.EXTRA_PARAM_PREFIXES, e.g.
+  masked patch prediction's) that `target` lacks (fine-tuning a pre-trained model; logged), and
+  with `target`'s fresh ones that it lacks (pre-training from a published model)."""
+  extra = lambda path: path[0].startswith(tasks.EXTRA_PARAM_PREFIXES)
   dropped = sorted({p[0] for p in restored if extra(p) and p not in target})
   if dropped:
     logging.info('Dropped the pre-training parameters %s of %s: the model does not use them.',
@@ -306,8 +306,9 @@ def load_pretrained(path, init_params: npz.Params, model, *,
   - `pre_logits` is dropped when `model.representation_size` is None;
   - `head` is replaced by the freshly initialised one of `init_params` (new classes), or, with
     `keep_head`, kept from the file (the same classes, e.g. continuing at a higher resolution);
-  - the parameters that masked patch prediction adds (vit_jax.tasks.mpp.PARAM_PREFIX) are dropped,
-    with a log line, when `init_params` lacks them, and taken from it when the file does;
+  - the parameters that a task adds (vit_jax.tasks.EXTRA_PARAM_PREFIXES: masked patch
+    prediction's `mpp_`) are dropped, with a log line, when `init_params` lacks them, and taken
+    from it when the file does;
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,

@@ -27,7 +27,7 @@ from vit_jax.models import attention
 from vit_jax.models import encoder
 from vit_jax.models import positions
 from vit_jax.models import registry
-from vit_jax.tasks import mpp
+from vit_jax import tasks
 
 
 def data_parallel_size(config: ml_collections.ConfigDict, num_devices: int) -> int:
@@ -131,19 +131,20 @@ def range_error(field: str, value, allowed: fields.Range) -> str | None:
 
 def values_error(config: ml_collections.ConfigDict) -> str | None:
   """Why a field value of `config` cannot work on any devices, or None where all can: first
-  the type and range of each numeric field (vit_jax.config.FIELD_RANGES), then the entries of
-  config.evals (vit_jax.evaluators.config_error)."""
+  the type and range of each numeric field (vit_jax.config.FIELD_RANGES), then the objective
+  and its task's fields (vit_jax.tasks.config_error), then the entries of config.evals
+  (vit_jax.evaluators.config_error)."""
   absent = object()
   for field, allowed in fields.FIELD_RANGES.items():
     value = field_at(config, field, missing=absent)
     if value is not absent and (error := range_error(field, value, allowed)):
       return error
+  if error := tasks.config_error(config):  # Before the evaluators: they ask the task.
+    return error
   from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
   if error := evaluators.config_error(config):
     return error
   if error := randaug_error(config.pp.get('randaug')):
-    return error
-  if error := mpp.config_error(config):
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
@@ -186,8 +187,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
         f'{max(config.pp.crop // step[0], 1) * step[0]}.')
   if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
     named = model.clone(posemb=config.posemb, scan_layers=config.scan_layers)
-    if config.objective == 'masked_patch_prediction':
-      named = mpp.with_mpp(named, config.mpp.target)
+    named = tasks.for_config(config).model(named, config)
     if error := param_groups.config_error(config, blank.param_shapes(named, config.pp.crop)):
       raise ConfigError(error)
 

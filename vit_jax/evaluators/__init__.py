@@ -5,11 +5,11 @@
 TYPES maps each type to its class: 'classification' (accuracy and loss on a split,
 evaluators/classification.py), 'mpp' (masked patch prediction's loss and accuracy,
 evaluators/mpp.py) and 'fewshot' (linear k-shot accuracy of the frozen features,
-evaluators/fewshot.py). An entry's type None is the objective's: 'mpp' under
-masked_patch_prediction, else 'classification'. Each evaluator names its metrics after its
-entry (NAME_accuracy, NAME/DATASET_5shot), so that the default entries 'test', 'val' and
-'fewshot' report what they always have. The training loop runs the evaluators that are due
-(`is_due`), on the params and, where the run keeps one, on their EMA.
+evaluators/fewshot.py). An entry's type None is the objective's (its task's `evaluator`,
+vit_jax.tasks): 'mpp' under masked_patch_prediction, else 'classification'. Each evaluator
+names its metrics after its entry (NAME_accuracy, NAME/DATASET_5shot), so that the default
+entries 'test', 'val' and 'fewshot' report what they always have. The training loop runs the
+evaluators that are due (`is_due`), on the params and, where the run keeps one, on their EMA.
 
 The fields `config.val_split`, `config.val_every` and `config.fewshot.*` are deprecated:
 `migrate` moves them into `config.evals` with one log line that says what to write instead.
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import ml_collections
 
+from vit_jax import tasks
 from vit_jax.config import checks
 from vit_jax.evaluators import classification
 from vit_jax.evaluators import fewshot
@@ -47,7 +48,7 @@ def type_of(entry: ml_collections.ConfigDict, config: ml_collections.ConfigDict)
   """The entry's type; None is the objective's ('mpp' under masked_patch_prediction)."""
   if entry.get('type'):
     return entry.type
-  return 'mpp' if config.objective == 'masked_patch_prediction' else 'classification'
+  return tasks.for_config(config).evaluator
 
 
 def config_error(config: ml_collections.ConfigDict) -> str | None:

@@ -12,7 +12,7 @@ import ml_collections
 
 from vit_jax import hardware
 from vit_jax.errors import ConfigError
-from vit_jax.training import setup as train_setup
+from vit_jax.tasks import supervised
 
 # The input pipeline (it imports TensorFlow) is imported where it is used: vit_jax.validation
 # imports this package to check config.evals before TensorFlow loads.
@@ -30,7 +30,7 @@ def added(totals, sums):
 def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
   """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
   as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
-  {name}_loss of train_setup.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
+  {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
   mpp.make_eval_step."""
   from vit_jax.data import pipeline
   totals, pacer = None, hardware.Pacer()
@@ -83,9 +83,9 @@ class ClassificationEvaluator:
 
   @staticmethod
   def make_eval_step(model, config: ml_collections.ConfigDict):
-    """eval(params, batch) -> sums of correct, loss, count (train_setup.make_eval_step)."""
+    """eval(params, batch) -> sums of correct, loss, count (supervised.make_eval_step)."""
     del config
-    return train_setup.make_eval_step(model)
+    return supervised.make_eval_step(model)
 
   @staticmethod
   def is_on(entry: ml_collections.ConfigDict) -> bool:

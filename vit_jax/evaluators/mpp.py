@@ -5,6 +5,7 @@ config.objective='masked_patch_prediction' only; its entry takes the fields of t
 'classification' evaluator's."""
 import ml_collections
 
+from vit_jax import tasks
 from vit_jax.evaluators import classification
 from vit_jax.tasks import mpp
 
@@ -21,7 +22,7 @@ class MppEvaluator(classification.ClassificationEvaluator):
   def config_error(where: str, entry: ml_collections.ConfigDict,
                    config: ml_collections.ConfigDict) -> str | None:
     del entry
-    if config.objective != 'masked_patch_prediction':
+    if tasks.for_config(config) is not mpp.TASK:
       return (f"{where}.type='mpp' evaluates masked patch prediction, the pre-training of "
               "--config.objective=masked_patch_prediction; this run's objective is "
               f"{config.objective!r}: use type 'classification'.")

@@ -3,7 +3,7 @@ connections (Eq. 2-3 of the paper), stored per block or scanned (`scan_layers`),
 by `remat_policy`, with stochastic depth; the final LayerNorm.
 """
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -132,11 +132,14 @@ class Encoder1DBlock(nn.Module):
 
 
 class _ScanStep(Encoder1DBlock):
-  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic, drop_rate) -> (x, None), same
-  parameters; `drop_rate` is the layer's entry of the scanned (L,) rates, or None."""
+  """Encoder1DBlock as the body of `nn.scan`: (x, deterministic, drop_rate) -> (x, x or None),
+  same parameters; `drop_rate` is the layer's entry of the scanned (L,) rates, or None. With
+  `emit_outputs` each block's output is also the scan's output, stacked into (L, B, T, D)."""
+  emit_outputs: bool = False
 
   def __call__(self, inputs, deterministic, drop_rate=None):
-    return super().__call__(inputs, deterministic, drop_rate), None
+    x = super().__call__(inputs, deterministic, drop_rate)
+    return x, x if self.emit_outputs else None
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool]:
@@ -160,7 +163,10 @@ class Encoder(nn.Module):
   On XLA:CPU only scanned blocks gain from it: the CPU compiler drops the optimisation barriers
   that keep unscanned recomputations apart and merges them back into the forward pass.
   In training, block i drops its branches at `stochastic_depth_rates(stochastic_depth, ...)[i]`;
-  scanned blocks take their rate as a scanned input.
+  scanned blocks take their rate as a scanned input. Called with `keep` (0-based block indices),
+  it also returns the outputs (B, T, D) of those blocks, before the final LayerNorm: scanned
+  blocks stack every block's output, (L, B, T, D) in the compute dtype (what training keeps for
+  the backward pass anyway), and pick them from it.
   `posemb` (vit_jax.models.positions) says how positions enter, for patches on a grid of (rows,
   columns) `grid`: at the input (`posembed_input`), or in each block's attention (relative).
   """
@@ -187,7 +193,10 @@ class Encoder(nn.Module):
                     prevent_cse=not self.scan_layers, static_argnums=(2,))
 
   @nn.compact
-  def __call__(self, x, *, train, grid: Optional[tuple[int, int]] = None):
+  def __call__(self, x, *, train, grid: Optional[tuple[int, int]] = None,
+               keep: Optional[Sequence[int]] = None):
+    """(B, T, D) tokens -> the final LayerNorm's (B, T, D); with `keep`, (that, the tuple of the
+    outputs of the blocks `keep`, in its order)."""
     if self.posemb == 'learned_1d':
       x = AddPositionEmbs(name='posembed_input')(x)
     elif grid is None:
@@ -211,9 +220,15 @@ class Encoder(nn.Module):
                        split_rngs={'params': True, 'dropout': True},
                        in_axes=(nn.broadcast, nn.broadcast if scanned_rates is None else 0),
                        length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = blocks(**block_fields, name='encoderblock')(x, not train, scanned_rates)
+      x, stacked = blocks(**block_fields, emit_outputs=keep is not None, name='encoderblock')(
+          x, not train, scanned_rates)
+      outputs = () if keep is None else tuple(stacked[i] for i in keep)
     else:
       block = self.remat(Encoder1DBlock)
+      every = []
       for i in range(self.num_layers):
         x = block(**block_fields, name=f'encoderblock_{i}')(x, not train, rates[i])
-    return _layer_norm(self.dtype, name='encoder_norm')(x)
+        every.append(x)
+      outputs = () if keep is None else tuple(every[i] for i in keep)
+    normed = _layer_norm(self.dtype, name='encoder_norm')(x)
+    return normed if keep is None else (normed, outputs)

@@ -13,9 +13,16 @@ MlpBlock_0}`,
 one `Transformer/encoderblock` whose every leaf has a leading layer axis (see `Encoder`).
 Every parameter names its dimensions (`sharding.with_axes`: 'embed' D, 'heads' N, 'head_dim' K,
 'mlp' M, ...) for vit_jax.sharding's rules; parameter trees stay plain arrays.
+
+`VisionTransformer.__call__` runs the stages `embed_patches`, `add_class_token`, `encode` and
+`pool_and_classify`. Each declares its parameters under the names above, whichever compact
+method calls it, so that a subclass (vit_jax.tasks.mpp.MaskedPatchViT) recombines them in its
+own `__call__` without changing the layout. `VisionTransformer.intermediates` runs them too,
+keeping the outputs of chosen blocks (`Intermediates`).
 """
 from typing import Any, Optional, Sequence
 
+from flax import struct
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -64,6 +71,36 @@ class PatchEmbedding(nn.Module):
     patches = reshape_rows(patches, h // ph, w // pw, ph * pw * c).astype(self.dtype)
     kernel = kernel.reshape(ph * pw * c, self.hidden_size).astype(self.dtype)
     return patches @ kernel + bias.astype(self.dtype)
+
+
+@struct.dataclass
+class Intermediates:
+  """What `VisionTransformer.intermediates` returns, its arrays float32; a pytree whose
+  `blocks` are static (they stay ints under jax.jit).
+
+  Attributes:
+    blocks: the chosen blocks, 0-based, in the order asked.
+    tokens: per chosen block its output tokens (B, T, D) (the class token first where the model
+      has one), or with `maps` its patch tokens as a map (B, rows, columns, D).
+    class_tokens: with `maps`, per chosen block its class token (B, D); None without `maps` or
+      without a class token.
+    features: the features the head sees, (B, representation_size or D) (per token for the
+      unpooled classifiers), as `VisionTransformer.features` gives them.
+  """
+  blocks: tuple[int, ...] = struct.field(pytree_node=False)
+  tokens: tuple[jax.Array, ...]
+  class_tokens: Optional[tuple[jax.Array, ...]]
+  features: jax.Array
+
+
+def block_indices(blocks: Sequence[int], num_layers: int) -> tuple[int, ...]:
+  """`blocks` as 0-based indices of `num_layers` blocks (-1 the last); a ValueError naming the
+  range for one out of it."""
+  blocks = tuple(int(i) for i in blocks)
+  if outside := [i for i in blocks if not -num_layers <= i < num_layers]:
+    raise ValueError(f'blocks={blocks}: {outside[0]} is out of range; the model has {num_layers} '
+                     f'blocks, 0 to {num_layers - 1} (or -{num_layers} to -1 from the last).')
+  return tuple(i % num_layers for i in blocks)
 
 
 class VisionTransformer(nn.Module):
@@ -157,15 +194,10 @@ class VisionTransformer(nn.Module):
     """
     return self(images, train=train, head=False)
 
-  @nn.compact
-  def __call__(self, images, *, train, head=True, patch_task=None):
-    """Logits, or with `head=False` the `features` they are computed from.
-
-    `patch_task` (vit_jax.tasks.mpp.PatchTask, for masked patch prediction) changes the patch
-    embeddings (B, N, D) by its `corrupt(self, patches)` before the class token and the position
-    embeddings join them, and returns, in place of pooling and head, its `predict(self, tokens)`
-    of the encoder outputs of the patch tokens (B, N, D).
-    """
+  def embed_patches(self, images) -> tuple[jax.Array, tuple[int, int]]:
+    """(B, H, W, 3) images -> (their patch embeddings (B, N, D), N = rows * columns in row-major
+    order, the grid (rows, columns)), through the ResNet stem first for hybrids. A stage of a
+    compact method: it declares `embedding` and the stem's parameters."""
     self.check_images(images)
     x = images
     if self.resnet_layers is not None:
@@ -173,26 +205,38 @@ class VisionTransformer(nn.Module):
     x = PatchEmbedding(hidden_size=self.hidden_size, patch_size=self.patch_size, dtype=self.dtype,
                        name='embedding')(x)
     b, h, w, d = x.shape
-    x = reshape_rows(x, h * w, d)
-    if patch_task is not None:
-      x = patch_task.corrupt(self, x)
+    return reshape_rows(x, h * w, d), (h, w)
 
-    if self.has_class_token:
-      cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
-      cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d), out_sharding=jax.typeof(x).sharding)
-      x = jnp.concatenate([cls, x], axis=1)
+  def add_class_token(self, patches: jax.Array) -> jax.Array:
+    """(B, N, D) patch embeddings -> the (B, T, D) tokens the encoder takes: the learned `cls`
+    first (T = N + 1) where the classifier has a class token, else the patches (T = N)."""
+    if not self.has_class_token:
+      return patches
+    b, _, d = patches.shape
+    cls = self.param('cls', with_axes(nn.initializers.zeros, None, None, 'embed'), (1, 1, d))
+    cls = jnp.broadcast_to(cls.astype(patches.dtype), (b, 1, d),
+                           out_sharding=jax.typeof(patches).sharding)
+    return jnp.concatenate([cls, patches], axis=1)
 
-    x = encoder.Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
-                dropout_rate=self.dropout_rate,
-                attention_dropout_rate=self.attention_dropout_rate,
-                approximate_gelu=self.approximate_gelu, dtype=self.dtype,
-                scan_layers=self.scan_layers, remat_policy=self.remat_policy,
-                attention=self.attention, stochastic_depth=self.stochastic_depth,
-                stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
-                name='Transformer')(x, train=train, grid=(h, w))
-    if patch_task is not None:
-      return patch_task.predict(self, x[:, int(self.has_class_token):])
+  def encode(self, tokens: jax.Array, grid: tuple[int, int], *, train: bool,
+             keep: Optional[Sequence[int]] = None):
+    """(B, T, D) tokens of patches on `grid` -> the encoder's outputs (B, T, D), after its final
+    LayerNorm; with `keep` (0-based block indices), (those, the tuple of the outputs (B, T, D) of
+    the blocks `keep`). Declares `Transformer`."""
+    return encoder.Encoder(
+        num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        approximate_gelu=self.approximate_gelu, dtype=self.dtype, scan_layers=self.scan_layers,
+        remat_policy=self.remat_policy, attention=self.attention,
+        stochastic_depth=self.stochastic_depth,
+        stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
+        name='Transformer')(tokens, train=train, grid=grid, keep=keep)
 
+  def pool_and_classify(self, tokens: jax.Array, *, head: bool = True) -> jax.Array:
+    """(B, T, D) encoder outputs -> float32 logits, pooled as the classifier says (the class
+    token, the mean, or none), through `pre_logits` where the model has one and `head`; with
+    `head=False`, the features before `head`."""
+    x = tokens
     if self.classifier == 'token':
       x = x[:, 0]
     elif self.classifier == 'gap':
@@ -212,3 +256,39 @@ class VisionTransformer(nn.Module):
                       bias_init=with_axes(nn.initializers.constant(self.head_bias_init),
                                           'classes'))(x)
     return logits.astype(jnp.float32)
+
+  @nn.compact
+  def __call__(self, images, *, train, head=True):
+    """Logits, or with `head=False` the `features` they are computed from: the stages
+    `embed_patches`, `add_class_token`, `encode` and `pool_and_classify`, which subclasses
+    (vit_jax.tasks.mpp.MaskedPatchViT) recombine."""
+    patches, grid = self.embed_patches(images)
+    tokens = self.encode(self.add_class_token(patches), grid, train=train)
+    return self.pool_and_classify(tokens, head=head)
+
+  # Compact, as __call__ is: its stages declare submodules, which Flax allows in compact methods
+  # only; they build them under the same names, so that both read the same parameters.
+  @nn.compact
+  def intermediates(self, images, *, blocks: Sequence[int], maps: bool = False,
+                    train: bool = False) -> Intermediates:
+    """The outputs of the blocks `blocks` and the features, as float32 `Intermediates`.
+
+    Call it as `model.apply({'params': params}, images, method='intermediates', blocks=(3, -1))`.
+    `blocks` are 0-based, negative ones counting from the last (-1); others are a ValueError
+    naming the range. Per chosen block, its output tokens (B, T, D), before the final
+    LayerNorm; with `maps`, the patch tokens as a (B, rows, columns, D) map of the patch grid,
+    and the class token (B, D) apart. `features` is what `features` gives: the pooled encoder
+    output the head sees.
+    """
+    chosen = block_indices(blocks, self.num_layers)
+    patches, grid = self.embed_patches(images)
+    normed, outputs = self.encode(self.add_class_token(patches), grid, train=train, keep=chosen)
+    outputs = tuple(x.astype(jnp.float32) for x in outputs)
+    features = self.pool_and_classify(normed, head=False)
+    if not maps:
+      return Intermediates(chosen, outputs, None, features)
+    extra = int(self.has_class_token)
+    token_maps = tuple(reshape_rows(x[:, extra:], *grid, x.shape[-1]) for x in outputs)
+    class_tokens = tuple(x[:, 0] for x in outputs) if extra else None
+    return Intermediates(chosen, token_maps, class_tokens, features)
+

@@ -1,1 +1,47 @@
-"""Objectives beside classification: masked patch prediction."""
+"""Objectives as tasks: `config.objective` names one of TASKS, which wraps the model to train,
+gives its loss, evaluation step and default evaluator, and names the parameters it adds
+(vit_jax.tasks.task.Task).
+
+- 'supervised' (supervised.py): classification of the labels.
+- 'masked_patch_prediction' (mpp.py): self-supervised pre-training, labels unused.
+
+    task = tasks.for_config(config)
+    model = task.model(vit_model, config)
+    loss_fn = task.train_loss(model, config)  # (params, batch, rng) -> (loss, metrics)
+"""
+import ml_collections
+
+from vit_jax.tasks import mpp
+from vit_jax.tasks import supervised
+from vit_jax.tasks.task import Task
+
+TASKS: dict[str, Task] = {'supervised': supervised.TASK, 'masked_patch_prediction': mpp.TASK}
+OBJECTIVES = tuple(TASKS)
+# What any task adds to the published layout: what fine-tuning drops where the model lacks it.
+EXTRA_PARAM_PREFIXES = tuple(prefix for task in TASKS.values()
+                             for prefix in task.extra_param_prefixes)
+
+
+def get(name: str) -> Task:
+  """The task of objective `name`; a ValueError naming the objectives for another name."""
+  if name not in TASKS:
+    raise ValueError(objective_error(name))
+  return TASKS[name]
+
+
+def for_config(config: ml_collections.ConfigDict) -> Task:
+  """The task of `config.objective`."""
+  return get(config.objective)
+
+
+def objective_error(name: str) -> str:
+  """The one line that says `name` is no objective."""
+  return f'config.objective={name!r} is not one of {OBJECTIVES}.'
+
+
+def config_error(config: ml_collections.ConfigDict) -> str | None:
+  """Why config.objective, or the fields of its task, cannot work, or None where they can; one
+  line."""
+  if config.objective not in TASKS:
+    return objective_error(config.objective)
+  return TASKS[config.objective].config_error(config)

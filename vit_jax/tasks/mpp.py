@@ -15,12 +15,12 @@ content. From the encoder output of each corrupted patch the head `mpp_head` pre
   colour: 16 predictions of 512 classes;
 - `patch_l2`: every pixel of the patch, regressed with a squared error.
 
-Labels are not used. The two extra parameters (PARAM_PREFIX names) sit beside the published
-layout, which is otherwise unchanged; vit_jax.checkpoint.load_pretrained drops them when a
-supervised model is fine-tuned from such a run. Models with a ResNet stem are refused: the stem's
+Labels are not used. The two extra parameters (PARAM_PREFIX names, the task's
+`extra_param_prefixes`) sit beside the published layout, which is otherwise unchanged;
+vit_jax.checkpoint.load_pretrained drops them when a supervised model is fine-tuned from such a
+run. Models with a ResNet stem are refused: the stem's
 receptive fields cross patch borders, so the neighbours of a masked patch would show its pixels.
 """
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -32,8 +32,8 @@ import optax
 
 from vit_jax.models import vit
 from vit_jax.sharding import with_axes
+from vit_jax.tasks import task
 
-OBJECTIVES = ('supervised', 'masked_patch_prediction')
 TARGETS = ('mean_color_3bit', 'downsampled_3bit', 'patch_l2')
 PARAM_PREFIX = 'mpp_'  # Names of the parameters pre-training adds to the published layout.
 COLOR_LEVELS = 8  # 3 bits per channel.
@@ -72,31 +72,6 @@ def corruption_plan(rng: jax.Array, batch: int, num_patches: int, rate: float,
   return Plan(jnp.where(chosen, kind, UNCHOSEN).astype(jnp.int32), sources.astype(jnp.int32))
 
 
-@dataclasses.dataclass(frozen=True)
-class PatchTask:
-  """What VisionTransformer's `patch_task` argument takes: corrupt the patch embeddings by
-  `plan`, and predict `outputs` values from each patch token's encoder output."""
-  plan: Plan
-  outputs: int
-
-  def corrupt(self, module: nn.Module, patches: jax.Array) -> jax.Array:
-    """(B, N, D) patch embeddings -> the same, corrupted; declares `mpp_mask_embedding`."""
-    b, n, d = patches.shape
-    mask = module.param(PARAM_PREFIX + 'mask_embedding',
-                        with_axes(nn.initializers.normal(stddev=0.02), 'embed'), (d,))
-    others = patches.reshape(b * n, d)[self.plan.sources.reshape(-1)].reshape(b, n, d)
-    kinds = self.plan.kinds[..., None]
-    patches = jnp.where(kinds == MASK, mask.astype(patches.dtype), patches)
-    return jnp.where(kinds == RANDOM, others, patches)
-
-  def predict(self, module: nn.Module, tokens: jax.Array) -> jax.Array:
-    """(B, N, D) encoder outputs of the patch tokens -> (B, N, outputs) float32, by `mpp_head`."""
-    head = nn.Dense(self.outputs, dtype=module.dtype, name=PARAM_PREFIX + 'head',
-                    kernel_init=with_axes(nn.initializers.zeros, 'embed', 'classes'),
-                    bias_init=with_axes(nn.initializers.zeros, 'classes'))
-    return head(tokens).astype(jnp.float32)
-
-
 def target_outputs(target: str, patch_pixels: tuple[int, int]) -> int:
   """Values the head predicts per patch: 512 logits, 16 x 512 logits, or the patch's pixels."""
   if target == 'mean_color_3bit':
@@ -107,21 +82,52 @@ def target_outputs(target: str, patch_pixels: tuple[int, int]) -> int:
 
 
 class MaskedPatchViT(vit.VisionTransformer):
-  """A VisionTransformer whose `init` also declares the parameters of masked patch prediction,
-  `mpp_mask_embedding` (D,) and `mpp_head` (D -> `mpp_outputs`), beside the usual ones (the
-  head included, so that the params keep the published layout)."""
+  """A VisionTransformer that also predicts the patches of images corrupted by a Plan.
+
+  Its parameters are the VisionTransformer's and those of masked patch prediction:
+  `mpp_mask_embedding` (D,), the [mask] patch embedding, and `mpp_head` (D -> `mpp_outputs`).
+  Initialised without a plan (as vit_jax.models.blank does), it declares them all, the
+  classifier's `head` included, so that the params keep the published layout.
+  """
   mpp_outputs: int = COLORS
 
-  def init(self, rngs, images, *args, **kwargs):
-    variables = super().init(rngs, images, *args, **kwargs)
-    b = images.shape[0]
-    rows, columns = self.grid(images.shape[1:3])
-    blank = Plan(*[jnp.zeros((b, rows * columns), jnp.int32)] * 2)
-    pretraining = super().init(rngs, images, *args, **kwargs,
-                               patch_task=PatchTask(blank, self.mpp_outputs))['params']
-    extras = {name: value for name, value in pretraining.items()
-              if name.startswith(PARAM_PREFIX)}
-    return {**variables, 'params': {**variables['params'], **extras}}
+  def corrupt(self, patches: jax.Array, plan: Plan) -> jax.Array:
+    """(B, N, D) patch embeddings -> the same, corrupted by `plan`: MASK patches replaced by
+    `mpp_mask_embedding`, RANDOM ones by the embedding of their source patch."""
+    b, n, d = patches.shape
+    mask = self.param(PARAM_PREFIX + 'mask_embedding',
+                      with_axes(nn.initializers.normal(stddev=0.02), 'embed'), (d,))
+    others = patches.reshape(b * n, d)[plan.sources.reshape(-1)].reshape(b, n, d)
+    kinds = plan.kinds[..., None]
+    patches = jnp.where(kinds == MASK, mask.astype(patches.dtype), patches)
+    return jnp.where(kinds == RANDOM, others, patches)
+
+  def predict_patches(self, tokens: jax.Array) -> jax.Array:
+    """(B, T, D) encoder outputs -> (B, N, mpp_outputs) float32 predictions of `mpp_head` from
+    the patch tokens (the class token left out)."""
+    head = nn.Dense(self.mpp_outputs, dtype=self.dtype, name=PARAM_PREFIX + 'head',
+                    kernel_init=with_axes(nn.initializers.zeros, 'embed', 'classes'),
+                    bias_init=with_axes(nn.initializers.zeros, 'classes'))
+    return head(tokens[:, int(self.has_class_token):]).astype(jnp.float32)
+
+  @nn.compact
+  def __call__(self, images, *, train, head=True, plan: Plan | None = None):
+    """Without `plan`, the VisionTransformer's logits (or with `head=False` its features); with
+    it, `predict_patches` of `images` whose patch embeddings `plan` corrupted.
+
+    As BERT does, the corruption comes before the class token and the position embeddings join
+    the patches: a corrupted patch keeps its position and loses its content.
+    """
+    patches, grid = self.embed_patches(images)
+    if plan is not None or self.is_initializing():
+      blank = Plan(*[jnp.zeros(patches.shape[:2], jnp.int32)] * 2)
+      patches = self.corrupt(patches, blank if plan is None else plan)
+    tokens = self.encode(self.add_class_token(patches), grid, train=train)
+    if plan is not None:
+      return self.predict_patches(tokens)
+    if self.is_initializing():
+      self.predict_patches(tokens)  # Declares mpp_head.
+    return self.pool_and_classify(tokens, head=head)
 
 
 def with_mpp(model: vit.VisionTransformer, target: str) -> MaskedPatchViT:
@@ -200,8 +206,7 @@ def patch_losses(predictions: jax.Array, images: jax.Array, patch_pixels: tuple[
 def image_losses(model: MaskedPatchViT, params: Any, images: jax.Array, plan: Plan,
                  target: str, *, train: bool, rngs=None) -> tuple[jax.Array, jax.Array]:
   """(mpp loss, mpp accuracy) per image, each (B,): the mean over its corrupted patches."""
-  predictions = model.apply({'params': params}, images, train=train, rngs=rngs,
-                            patch_task=PatchTask(plan, model.mpp_outputs))
+  predictions = model.apply({'params': params}, images, train=train, rngs=rngs, plan=plan)
   loss, accuracy = patch_losses(predictions, images, model.patch_pixels, target)
   corrupted = (plan.kinds != UNCHOSEN).astype(jnp.float32)
   count = jnp.sum(corrupted, axis=1)
@@ -249,11 +254,8 @@ def make_eval_step(model: MaskedPatchViT, config: ml_collections.ConfigDict):
 
 
 def config_error(config: ml_collections.ConfigDict) -> str | None:
-  """Why config.objective or config.mpp cannot work, or None where they can; one line."""
-  if config.objective not in OBJECTIVES:
-    return f'config.objective={config.objective!r} is not one of {OBJECTIVES}.'
-  if config.objective == 'supervised':
-    return None
+  """Why config.mpp, or the model, cannot pre-train by masked patch prediction, or None where
+  they can; one line."""
   mpp = config.mpp
   if mpp.target not in TARGETS:
     return f'config.mpp.target={mpp.target!r} is not one of {TARGETS}.'
@@ -266,3 +268,9 @@ def config_error(config: ml_collections.ConfigDict) -> str | None:
             f'{config.model_name} has one, whose receptive fields would show the masked patches '
             'to their neighbours; use a plain ViT.')
   return None
+
+
+TASK = task.Task(model=lambda model, config: with_mpp(model, config.mpp.target),
+                 train_loss=train_loss, eval_step=make_eval_step, evaluator='mpp',
+                 needs_labels=False, extra_param_prefixes=(PARAM_PREFIX,),
+                 config_error=config_error)

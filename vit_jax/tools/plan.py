@@ -28,6 +28,7 @@ import ml_collections
 
 from vit_jax import console
 from vit_jax import hardware
+from vit_jax import tasks
 from vit_jax import tpu_topologies
 from vit_jax.config import checks
 from vit_jax.config import command_line
@@ -193,7 +194,7 @@ def eval_memory(config, mesh, num_classes, hbm: int) -> dict:
   model = train_setup.build_model(config, num_classes, list(mesh.devices.flat))
   state, _ = train_step.abstract_train_state(config, model, train_step.make_optimizer(config),
                                              mesh, config.pp.crop)
-  step = jax.jit(train_setup.objective_eval_step(model, config))
+  step = jax.jit(tasks.for_config(config).eval_step(model, config))
   compiled, refusal = fit.compile_or_refusal(
       lambda: step.lower(state.params, train_step.abstract_batch(config, mesh, evaluation=True)))
   used = fit.StepMemory(refusal=refusal) if compiled is None else fit.memory_of(compiled)

@@ -8,6 +8,7 @@ import logging
 
 import ml_collections
 
+from vit_jax import tasks
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
 
@@ -30,9 +31,9 @@ def check_data(config: ml_collections.ConfigDict, prefix: str) -> pipeline.Datas
 
 
 def check_classes(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> None:
-  """Raises ConfigError where a supervised run's dataset has fewer than 2 classes: a classifier
-  of one class scores every image right and learns nothing."""
-  if config.objective == 'supervised' and info.num_classes < 2:
+  """Raises ConfigError where the dataset of a run whose task reads labels (a supervised one) has
+  fewer than 2 classes: a classifier of one class scores every image right and learns nothing."""
+  if tasks.for_config(config).needs_labels and info.num_classes < 2:
     raise ConfigError(
         f'config.dataset={config.dataset!r} has {info.num_classes} class'
         f'{"" if info.num_classes == 1 else "es"} ({", ".join(info.label_names) or "none"}): a '

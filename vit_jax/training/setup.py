@@ -1,9 +1,8 @@
-"""What training builds before its first step, free of TensorFlow: the device mesh, the model and
-the evaluation step. `trainer` trains with them, and `tools.plan` compiles the same step for
-TPU slices that are not there.
+"""What training builds before its first step, free of TensorFlow: the device mesh and the model,
+as config.objective's task wraps it (its loss and evaluation step are the task's,
+vit_jax.tasks). `trainer` trains with them, and `tools.plan` compiles the same step for TPU
+slices that are not there.
 """
-from typing import Any, Callable
-
 import jax
 from jax.experimental import mesh_utils
 import jax.numpy as jnp
@@ -15,10 +14,11 @@ from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.config.checks import data_parallel_size, mesh_error, pretrained_file
 from vit_jax.errors import ConfigError
+from vit_jax import tasks
 from vit_jax.models import attention
 from vit_jax.models import registry
-from vit_jax.tasks import mpp
-from vit_jax.training.step import Batch, cross_entropy
+# The supervised evaluation step, by its old name here (the notebook's train_setup.make_eval_step).
+from vit_jax.tasks.supervised import make_eval_step  # noqa: F401
 
 # Fields of a pretrained file's model spec that fine-tuning keeps: they change what the weights
 # compute without changing their shapes. The others are the config's to choose (classes,
@@ -75,44 +75,12 @@ def pretrained_overrides(config: ml_collections.ConfigDict) -> dict:
 def build_model(config: ml_collections.ConfigDict, num_classes: int, devices=None):
   """The VisionTransformer of `config.model` with the config's dtype, scan, remat and attention
   settings (`auto` resolved for `devices`, by default jax.devices()) and the PRETRAINED_FIELDS
-  of the pretrained checkpoint; an mpp.MaskedPatchViT under the masked-patch-prediction
-  objective."""
+  of the pretrained checkpoint, as config.objective's task wraps it (vit_jax.tasks: e.g. an
+  mpp.MaskedPatchViT under masked patch prediction)."""
   model = registry.get_model(config.model, num_classes=num_classes, **{
       **pretrained_overrides(config), 'dtype': jnp.dtype(config.dtype),
       'scan_layers': config.scan_layers, 'remat_policy': config.remat_policy,
       'posemb': config.posemb,
       'attention': attention.resolve_attention(config.attention, devices or jax.devices())})
-  if config.objective == 'masked_patch_prediction':
-    return mpp.with_mpp(model, config.mpp.target)
-  return model
+  return tasks.for_config(config).model(model, config)
 
-
-TOP_K = 5  # Top-5 accuracy is reported for models of more classes than this only.
-
-
-def make_eval_step(model) -> Callable[[Any, Batch], dict]:
-  """eval(params, batch) -> sums over the unmasked examples: correct (top-1), loss, count, and
-  with more than TOP_K classes correct_top5 (label among the TOP_K highest logits; with fewer
-  classes it would count every example)."""
-
-  def eval_step(params, batch):
-    logits = model.apply({'params': params}, batch['image'], train=False)
-    mask = batch['mask'].astype(jnp.float32)
-    labels = batch['label']
-    sums = {'correct': jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-            'loss': jnp.sum(cross_entropy(logits, labels) * mask),
-            'count': jnp.sum(mask)}
-    if logits.shape[-1] > TOP_K:
-      _, top = jax.lax.top_k(logits, TOP_K)
-      sums['correct_top5'] = jnp.sum(jnp.any(top == labels[:, None], axis=-1) * mask)
-    return sums
-
-  return eval_step
-
-
-def objective_eval_step(model, config: ml_collections.ConfigDict) -> Callable[[Any, Batch], dict]:
-  """The evaluation step of config.objective: `make_eval_step`, or mpp's under masked patch
-  prediction; not yet jitted."""
-  if config.objective == 'masked_patch_prediction':
-    return mpp.make_eval_step(model, config)
-  return make_eval_step(model)

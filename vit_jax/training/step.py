@@ -15,10 +15,10 @@ import optax
 
 from vit_jax.training import param_groups
 from vit_jax import sharding
+from vit_jax import tasks
 from vit_jax.models import blank
-from vit_jax.tasks import mpp
-
-Batch = dict[str, jax.Array]
+from vit_jax.tasks.supervised import cross_entropy  # noqa: F401  (the old train_step's)
+from vit_jax.tasks.task import Batch
 _MIXUP = 2**31 - 1  # Folded into a step's key for its mixup key (micro-batches fold in 0, 1, ...).
 
 
@@ -68,15 +68,6 @@ def make_optimizer(config: ml_collections.ConfigDict) -> Optimizer:
   chain = param_groups.transform(
       optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), update), config)
   return Optimizer(chain.init, chain.update, schedule)
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
-  """Per-example softmax cross-entropy: logits (B, C) and int labels (B,) or soft targets (B, C)
-  (each row a distribution over the classes, e.g. from `mixup`) -> (B,)."""
-  targets = labels if labels.ndim == 2 else jax.nn.one_hot(labels, logits.shape[-1])
-  if label_smoothing:
-    targets = optax.smooth_labels(targets, label_smoothing)
-  return optax.softmax_cross_entropy(logits, targets)
 
 
 def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch:
@@ -161,15 +152,9 @@ def microbatches(batch: Batch, accum_steps: int) -> Batch:
 
 def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState, Batch], tuple]:
   """update(state, batch) -> (state, metrics): forward, backward, optimiser, and the EMA of the
-  params (`ema_update` with config.ema_decay) where the state holds one; not yet jitted."""
-
-  def supervised_loss(params, batch, rng):
-    logits = model.apply({'params': params}, batch['image'], train=True, rngs={'dropout': rng})
-    return jnp.mean(cross_entropy(logits, batch['label'], config.label_smoothing)), {}
-
-  # (loss, other metrics of the batch) of the objective.
-  loss_fn = (mpp.train_loss(model, config) if config.objective == 'masked_patch_prediction'
-             else supervised_loss)
+  params (`ema_update` with config.ema_decay) where the state holds one; not yet jitted.
+  The loss is that of config.objective's task (vit_jax.tasks)."""
+  loss_fn = tasks.for_config(config).train_loss(model, config)
 
   def loss_and_grads(params, batch, rng):
     if config.accum_steps == 1:
