@@ -47,3 +47,10 @@ def trained_run(tmp_path_factory):
   from vit_jax.training import trainer
   workdir = str(tmp_path_factory.mktemp('trained_run'))
   return workdir, trainer.train_and_evaluate(helpers.tiny_config(), workdir)
+
+
+def pytest_xdist_auto_num_workers(config):
+  """One pytest-xdist worker per core, plus one (at most 4 in all): much of the suite waits on the
+  processes it starts (signals, heartbeats, a killed peer), time a further worker fills."""
+  del config
+  return min(4, (os.cpu_count() or 1) + 1)

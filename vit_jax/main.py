@@ -37,10 +37,12 @@ flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz g
                     'holding a checkpoint resumes from it. Default: workdirs/NAME, named after '
                     '--config and an overridden --config.dataset (see default_workdir), so that '
                     'the same command resumes.')
-flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
-                  '--verbosity=1 does), on every process; by default the console shows vit_jax\'s '
-                  'lines and other libraries\' warnings (processes other than 0: warnings only), '
-                  'and a live progress bar on a terminal.')
+# One --log_all per process: main and plan each define it, and a process may import both.
+if 'log_all' not in flags.FLAGS:
+  flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
+                    '--verbosity=1 does), on every process; by default the console shows '
+                    'vit_jax\'s lines and other libraries\' warnings (processes other than 0: '
+                    'warnings only), and a live progress bar on a terminal.')
 
 
 def parse_flags(argv: list[str]) -> list[str]:

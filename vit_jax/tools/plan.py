@@ -44,9 +44,11 @@ flags.DEFINE_integer('slices', 1, 'Slices of that type joined by the data-centre
 flags.DEFINE_integer('num_classes', None, "Classes of the model's head; default: those of "
                      'config.dataset where DATASET_CLASSES knows it.')
 flags.DEFINE_string('out', None, 'Also write the plan as JSON to this file.')
-flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
-                  '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
-                  'libraries\' warnings.')
+# One --log_all per process: main and plan each define it, and a process may import both.
+if 'log_all' not in flags.FLAGS:
+  flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
+                    '--verbosity=1 does); by default the console shows vit_jax\'s lines and other '
+                    'libraries\' warnings.')
 
 # Classes of the datasets the configs name, for the head (a dataset elsewhere: --num_classes).
 DATASET_CLASSES = {'fashion_mnist_embedded': 10, 'cifar10': 10, 'cifar100': 100,
