@@ -8,6 +8,7 @@ import pytest
 
 from vit_jax.config import checks
 from vit_jax.config import defaults
+from vit_jax.tasks import supervised
 from vit_jax.training import step as ts
 import tiny_config
 
@@ -57,12 +58,12 @@ def reference_cross_entropy(logits, targets, smoothing=0.0):
 def test_soft_targets_give_the_loss_of_hard_labels_and_of_the_formula(smoothing):
   logits = np.random.RandomState(0).normal(size=(5, 4)).astype(np.float32) * 3
   one_hot = np.eye(4, dtype=np.float32)[LABELS]
-  hard = ts.cross_entropy(jnp.asarray(logits), jnp.asarray(LABELS), smoothing)
-  soft = ts.cross_entropy(jnp.asarray(logits), jnp.asarray(one_hot), smoothing)
+  hard = supervised.cross_entropy(jnp.asarray(logits), jnp.asarray(LABELS), smoothing)
+  soft = supervised.cross_entropy(jnp.asarray(logits), jnp.asarray(one_hot), smoothing)
   np.testing.assert_allclose(soft, hard, rtol=1e-6)
   np.testing.assert_allclose(soft, reference_cross_entropy(logits, one_hot, smoothing), rtol=1e-5)
   targets = mixed(1)['label']
-  np.testing.assert_allclose(ts.cross_entropy(jnp.asarray(logits), targets, smoothing),
+  np.testing.assert_allclose(supervised.cross_entropy(jnp.asarray(logits), targets, smoothing),
                              reference_cross_entropy(logits, targets, smoothing), rtol=1e-5)
 
 

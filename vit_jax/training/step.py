@@ -17,7 +17,6 @@ from vit_jax.training import param_groups
 from vit_jax import sharding
 from vit_jax import tasks
 from vit_jax.models import blank
-from vit_jax.tasks.supervised import cross_entropy  # noqa: F401  (the old train_step's)
 from vit_jax.tasks.task import Batch
 _MIXUP = 2**31 - 1  # Folded into a step's key for its mixup key (micro-batches fold in 0, 1, ...).
 
