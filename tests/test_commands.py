@@ -5,8 +5,7 @@ no quick compilation), no JAX settings, no compilation cache of the harness. Eac
 devices as it does for a user, one XLA:CPU device per core here, keeps what it compiles in vit_jax's
 cache, empty at first as on a fresh machine, and shows the project's lines only. The commands
 share one short run of the quick start's command, at the batch of 16 under which its closing
-few-shot evaluation used to abort on 2 devices; the run continued four times has one of its own,
-on another worker.
+few-shot evaluation used to abort on 2 devices.
 """
 import json
 import os
@@ -105,25 +104,23 @@ def test_main_keeps_its_compiled_programs_in_vit_jaxs_cache(short_run):
   assert {'jit_constrained', 'jit_solve', 'jit_count_correct'} <= kept, kept
 
 
-def test_fewshot_command_finishes_five_times_in_a_row(short_run):
+def test_fewshot_command_finishes_twice_in_a_row(short_run):
+  # It aborted in 3 of 5 tries on 2 devices, before hardware.Pacer; tests/test_fewshot.py
+  # checks the cause, which aborted every time.
   workdir, _, _ = short_run
-  for attempt in range(5):
+  for attempt in range(2):
     output = succeeded(vit_jax('fewshot', '--checkpoint', str(workdir), '--shots', '5',
                                '--seeds', '2', '--test_split', 'test[:500]'))
     assert 'few-shot linear accuracy over 2 seeds, 500 test images' in output, attempt
 
 
-# A group of its own, so that another worker runs it, on its own run of the fixture.
-@pytest.mark.xdist_group('continued')
-def test_the_run_continued_four_times_ends_each_time_with_its_few_shot_evaluation(short_run):
-  """Four more training runs of the same command, each one step longer, each ending with the
-  few-shot evaluation that aborted on 2 devices at this batch: with the fixture's, five in a
-  row."""
+def test_the_run_continued_ends_again_with_its_few_shot_evaluation(short_run):
+  """The same command, one step longer: it resumes and ends with the few-shot evaluation that
+  aborted on 2 devices at this batch (the fixture's is the first)."""
   _, _, folder = short_run
-  for steps in range(7, 11):
-    output = succeeded(vit_jax(*SHORT_RUN, f'--config.total_steps={steps}', cwd=folder))
-    assert f'step {steps}/{steps}: loss' in output, output
-    assert re.search(fr'step {steps}: few-shot linear accuracy .*_10shot [\d.]+', output), output
+  output = succeeded(vit_jax(*SHORT_RUN, '--config.total_steps=7', cwd=folder))
+  assert 'step 7/7: loss' in output, output
+  assert re.search(r'step 7: few-shot linear accuracy .*_10shot [\d.]+', output), output
 
 
 def test_predict_command(short_run):
