@@ -18,7 +18,6 @@ import scipy.ndimage
 
 from vit_jax.checkpoints import npz
 from vit_jax.models import positions
-from vit_jax.models import registry
 from vit_jax import tasks
 
 
@@ -216,16 +215,6 @@ def _fit_patch_kernel(restored: dict, target: dict, model, source: str) -> dict:
                'inverse resize): images resized by the same factor keep their tokens.',
                source, *old[:2], *new[:2])
   return {**restored, PATCH_KERNEL_PATH: resize_patch_kernel(kernel, new[:2])}
-
-
-def fit_positions(params: npz.Params, model, image_size: int, *,
-                  method: str = 'bilinear') -> npz.Params:
-  """`params` (per block, of `model` without scan_layers) with their position parameters
-  resized for square images of `image_size` pixels, whatever the posemb kind."""
-  target = traverse_util.flatten_dict(registry.param_shapes(model, image_size))
-  restored = _fit_positions(traverse_util.flatten_dict(params), target, model, grid=None,
-                            method=method)
-  return traverse_util.unflatten_dict(restored)
 
 
 def _shape_mismatches(params: dict, reference: dict) -> list[str]:

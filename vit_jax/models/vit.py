@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from vit_jax.models import attention
+from vit_jax.models import blank
 from vit_jax.models import encoder
 from vit_jax.models import positions
 from vit_jax.models import resnet
@@ -39,6 +40,9 @@ Dtype = Any
 
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
 TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token first.
+NOT_DYNAMIC = ("dynamic_img_size=True does not work with posemb='relative': its 1-D offsets "
+               'over the raster have no meaning on a grid of another width; resize the images '
+               'to the size the model was trained at.')
 
 
 def reshape_rows(x: jax.Array, *shape: int) -> jax.Array:
@@ -153,9 +157,7 @@ class VisionTransformer(nn.Module):
       raise ValueError(error)
     positions.check_posemb(self.posemb, self.hidden_size)
     if self.dynamic_img_size and self.posemb == 'relative':
-      raise ValueError("dynamic_img_size=True does not work with posemb='relative': its 1-D "
-                       'offsets over the raster have no meaning on a grid of another width; '
-                       'resize the images to the size the model was trained at.')
+      raise ValueError(NOT_DYNAMIC)
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
     if not jnp.issubdtype(images.dtype, jnp.floating):
@@ -189,7 +191,7 @@ class VisionTransformer(nn.Module):
   def grid(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
     """The (rows, columns) of patches of an image of `image_size` pixels: an int for a square
     image, or (height, width)."""
-    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    h, w = blank.image_hw(image_size)
     ph, pw = self.patch_pixels
     return h // ph, w // pw
 
@@ -198,7 +200,9 @@ class VisionTransformer(nn.Module):
     of images of `trained_size` pixels (an int for square, or (height, width)): with
     `dynamic_img_size`, learned position parameters are interpolated to each image's grid
     (bilinear, corners aligned, as `finetune.load_pretrained` resizes them at load), and used as
-    they are at `trained_size`. A ValueError at apply time for posemb='relative'."""
+    they are at `trained_size`. A ValueError (NOT_DYNAMIC) for posemb='relative'."""
+    if self.posemb == 'relative':
+      raise ValueError(NOT_DYNAMIC)
     return self.clone(dynamic_img_size=True, posemb_grid=self.grid(trained_size))
 
   def features(self, images, *, train=False):
