@@ -22,6 +22,11 @@ def image_hw(image_size: ImageSize) -> tuple[int, int]:
   return int(image_size), int(image_size)
 
 
+def size_text(image_size: ImageSize) -> str:
+  """'224x320': `image_size` as height x width in pixels, as the commands print it."""
+  return '{}x{}'.format(*image_hw(image_size))
+
+
 def blank_images(image_size: ImageSize) -> jax.ShapeDtypeStruct:
   """The (1, H, W, 3) float32 batch that `init` traces."""
   height, width = image_hw(image_size)

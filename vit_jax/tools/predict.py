@@ -105,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     batch = paths[start:start + BATCH_SIZE]
     probabilities = np.asarray(classify(params, np.stack([images[p] for p in batch])))
     for path, p in zip(batch, probabilities):
-      print(f'{path} ({"x".join(map(str, blank.image_hw(image_size)))} px):')
+      print(f'{path} ({blank.size_text(image_size)} px):')
       print('\n'.join(top_k(p, labels, args.top)))
   return 1 if failed else 0
 
