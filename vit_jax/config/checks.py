@@ -181,11 +181,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(f'config.model.transformer.{error}')
   step, crop = np.array(model.patch_pixels), np.array(blank.image_hw(config.pp.crop))
   if any(crop % step):
-    fitting = np.maximum(crop // step, 1) * step
+    fitting = tuple(int(side) for side in np.maximum(crop // step, 1) * step)
     raise ConfigError(
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
-        f'{fitting[0] if fitting[0] == fitting[1] else tuple(int(v) for v in fitting)}.')
+        f'{fitting[0] if isinstance(config.pp.crop, int) else fitting}.')
   if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
     named = model.clone(posemb=config.posemb, scan_layers=config.scan_layers)
     named = tasks.for_config(config).model(named, config)
