@@ -140,3 +140,16 @@ def test_gflops_of_non_square_images_match_xla(name):
   model = registry.get_model(name, num_classes=10, num_layers=1)
   assert flops.gflops_per_image(model, (64, 128)) == pytest.approx(
       xla_gflops(model, 64, 128), rel=0.01)
+
+
+def test_saved_model_export_of_a_non_square_model(tmp_path):
+  import tensorflow as tf  # Only this test needs it.
+  from vit_jax.tools import export
+  model = tiny_vit()
+  params = random_params(model, OTHER, scale=0.3)
+  export.export(model, params, OTHER, 'saved_model', str(tmp_path / 'saved'), labels=[])
+  pixels = np.random.default_rng(0).integers(0, 256, (3, *OTHER, 3), dtype=np.uint8)
+  served = tf.saved_model.load(str(tmp_path / 'saved')).signatures['serving_default'](
+      images=tf.constant(pixels))['logits']
+  np.testing.assert_allclose(served.numpy(), logits(model, params, pixels / 127.5 - 1),
+                             rtol=1e-4, atol=1e-5)
