@@ -7,7 +7,7 @@ the rows of docs/tpu_plan.md's table of presets.
   python benchmarks/tpu_plans.py --table=plans.jsonl
 
 For each preset (PRESETS), TPU generation and sharding (SHARDINGS) it compiles the preset's
-training step with libtpu's compiler for slices of that generation (`plan.train_step_plan`, as
+training step with libtpu's compiler for slices of that generation (`tpu_plan.train_step_plan`, as
 `python -m vit_jax.plan` does, without the evaluation step) and finds the smallest slice whose
 step fits a chip's HBM: it tries the smallest slice, then slices of 2, 4, 8 ... times its place
 in the list of slices until one fits, then halves the gap to the smallest that fits (a step needs
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 from vit_jax import console  # noqa: E402  (after the repository is on the path)
 from vit_jax import tpu_topologies  # noqa: E402
 from vit_jax.config import checks  # noqa: E402
-from vit_jax.tools import plan  # noqa: E402
+from vit_jax.training import tpu_plan  # noqa: E402
 
 # Name: (config file, its argument, overrides of the preset), each at its own batch.
 PRESETS = {
@@ -93,9 +93,9 @@ def compile_on(preset: str, topology_name: str, sharding: str, out, machine: str
             'command': command(preset, topology_name, sharding),
             'date': datetime.date.today().isoformat(), 'machine': machine}
   try:
-    mesh = plan.topology_mesh(config, topology)
-    record['plan'], _ = plan.train_step_plan(config, mesh, topology,
-                                             plan.num_classes_of(config, None))
+    mesh = tpu_plan.topology_mesh(config, topology)
+    record['plan'], _ = tpu_plan.train_step_plan(config, mesh, topology,
+                                                 tpu_plan.num_classes_of(config, None))
     record['fits'] = record['plan']['fits']
   except checks.ConfigError as e:
     record.update(fits=False, error=str(e))

@@ -7,9 +7,11 @@ import vit_jax
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
+from vit_jax.data import image_files
 from vit_jax.evaluators import linear_probe
 from vit_jax.models import flops
 from vit_jax.models import registry
+from vit_jax.tools import export
 from vit_jax.tools import predict
 
 
@@ -27,10 +29,17 @@ def test_from_vit_jax_import_an_old_name_works():
 
 
 def test_a_moved_command_imported_by_its_old_name_is_its_module():
+  from vit_jax import export as old_export  # noqa: PLC0415
   from vit_jax import fewshot as old_fewshot  # noqa: PLC0415
-  from vit_jax import predict as old_predict  # noqa: PLC0415
-  assert old_predict is predict
+  assert old_export is export
   assert old_fewshot is linear_probe  # The method it held; the command is tools/fewshot.py.
+
+
+def test_the_old_predict_module_offers_the_command_and_the_image_loading_it_held():
+  from vit_jax import predict as old_predict  # noqa: PLC0415
+  assert old_predict.top_k is predict.top_k
+  assert old_predict.load_image is image_files.load_image
+  assert old_predict.load_labels is image_files.load_labels
 
 
 def test_the_old_checkpoint_module_offers_the_functions_of_its_parts():

@@ -18,7 +18,7 @@ from vit_jax import tpu_topologies
 from vit_jax.config import defaults
 from vit_jax.models import registry
 from vit_jax.models import attention as attention_kernels
-from vit_jax.tools import plan
+from vit_jax.training import tpu_plan
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
 
@@ -126,7 +126,7 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
   config = helpers.tiny_config(attention='splash', dtype='bfloat16')
-  result = plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
+  result = tpu_plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
   assert result['fits'] and result['config']['attention'] == 'splash'
   # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
   assert result['tpu_custom_calls'] == {'splash_mha_fwd_residuals': 1,
@@ -203,7 +203,7 @@ def test_fsdp_on_4_chips_keeps_a_quarter_of_params_and_optimiser_state_per_chip(
   model = train_setup.build_model(config, 10)
   # float32 params, and AdamW's two float32 moments of each.
   total = registry.count_params(model, config.pp.crop) * 4 * 3
-  assert plan.state_bytes(config, mesh, 10) == pytest.approx(total / 4, rel=0.1)
+  assert tpu_plan.state_bytes(config, mesh, 10) == pytest.approx(total / 4, rel=0.1)
 
 
 # (batch per device, {accum_steps: bytes its step needs}, limit) -> accum_steps auto picks:
@@ -281,5 +281,5 @@ def notebook_config():
 
 
 def test_the_notebooks_training_step_compiles_for_colabs_single_v5e_chip():
-  result = plan.plan(notebook_config(), tpu_topologies.parse_topology('v5e-1'), 10)
+  result = tpu_plan.plan(notebook_config(), tpu_topologies.parse_topology('v5e-1'), 10)
   assert result['fits'] and result['topology']['chips'] == 1 and result['eval']['fits']

@@ -1,6 +1,6 @@
 """What training builds before its first step, free of TensorFlow: the device mesh and the model,
 as config.objective's task wraps it (its loss and evaluation step are the task's,
-vit_jax.tasks). `trainer` trains with them, and `tools.plan` compiles the same step for TPU
+vit_jax.tasks). `trainer` trains with them, and `tpu_plan` compiles the same step for TPU
 slices that are not there.
 """
 import jax
