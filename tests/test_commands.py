@@ -18,7 +18,12 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from helpers import PHOTOS
+from helpers import random_params
+from helpers import TINY_CONFIG
+from helpers import tiny_config
 from vit_jax import cache
+from vit_jax.checkpoints import npz
+from vit_jax.models import registry
 
 pytestmark = pytest.mark.xdist_group('commands')  # One worker trains the run they share.
 
@@ -148,6 +153,44 @@ def test_export_and_convert_commands_round_trip_the_weights(short_run, tmp_path)
     assert len(kernels) > 10
     for name in kernels:
       np.testing.assert_array_equal(original[name], converted[name], err_msg=name)
+
+
+@pytest.fixture(scope='module')
+def non_square_run(tmp_path_factory):
+  """(workdir, console) of the tiny run at 28 x 42 px with 14 px patches, fine-tuned for 6
+  steps from a file in the published layout (no spec) of its model with 7 px patches at 28 px."""
+  folder = tmp_path_factory.mktemp('non_square')
+  model = registry.get_model(tiny_config().model, num_classes=10)
+  npz.save(random_params(model, 28, scale=0.1), folder / 'published.npz')
+  console = succeeded(vit_jax(
+      'main', f'--config={TINY_CONFIG}', f'--workdir={folder / "run"}', '--config.pp.crop=(28,42)',
+      '--config.model.patches.size=(14,14)', f'--config.pretrained_path={folder}/published.npz',
+      '--config.total_steps=6', '--config.batch=16'))
+  return folder / 'run', console
+
+
+def test_main_trains_non_square_images_from_another_patch_size(non_square_run):
+  workdir, console = non_square_run
+  assert 'step 6/6: loss' in console
+  spec = npz.read_spec(workdir / 'model.npz')
+  assert spec['image_size'] == [28, 42] and spec['model']['patch_size'] == [14, 14]
+  with np.load(workdir / 'model.npz') as saved:
+    assert saved['embedding/kernel'].shape == (14, 14, 3, 32)
+    assert saved['Transformer/posembed_input/pos_embedding'].shape == (1, 1 + 2 * 3, 32)
+
+
+def test_predict_command_at_another_size_of_a_non_square_run(non_square_run):
+  workdir, _ = non_square_run
+  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), '--image_size', '56x56',
+                             PHOTOS[0]))
+  assert f'{PHOTOS[0]} (56x56 px):' in output
+
+
+def test_export_command_of_a_non_square_run(non_square_run, tmp_path):
+  workdir, _ = non_square_run
+  output = succeeded(vit_jax('export', '--checkpoint', str(workdir), '--format', 'timm',
+                             '--out', str(tmp_path / 'timm.safetensors')))
+  assert '(28x42 px, 10 classes)' in output and "'img_size': [28, 42]" in output
 
 
 def test_checkpoint_list_and_models_commands():

@@ -18,7 +18,6 @@ import scipy.ndimage
 
 from vit_jax.checkpoints import npz
 from vit_jax.models import positions
-from vit_jax.models import registry
 from vit_jax import tasks
 
 
@@ -151,18 +150,29 @@ def check_posemb(params: npz.Params, spec: Optional[dict], model, source: str) -
                         f'build the model with the checkpoint\'s kind (config.posemb).')
 
 
+def file_grid(spec: Optional[dict], model) -> Optional[tuple[int, int]]:
+  """The (rows, columns) of patches of the images a checkpoint was trained at, from the
+  (height, width) its saved spec records (training runs record it) and the spec's patch size
+  (`model`'s stem); None for a file that records none: its grid is then taken to be square."""
+  if not spec or 'image_size' not in spec:
+    return None
+  patch = spec.get('model', {}).get('patch_size', model.patch_size)
+  return tuple(side // (size * model.stem_stride) for side, size in zip(spec['image_size'], patch))
+
+
 def _fit_positions(restored: dict, target: dict, model, *, grid: Optional[tuple[int, int]],
-                   method: str) -> dict:
+                   method: str, source_grid: Optional[tuple[int, int]] = None) -> dict:
   """`restored` (flat, per block) with its position parameters resized to those of `target`
-  (shapes, flat, per block): learned_1d's with `resize_posemb` to `grid` (see
-  `load_pretrained`), learned_2d's and relative's tables with `resize_table`."""
+  (shapes, flat, per block): learned_1d's with `resize_posemb` from `source_grid` (None:
+  square) to `grid` (see `load_pretrained`), learned_2d's and relative's tables with
+  `resize_table`."""
   restored = dict(restored)
   # Resized only when the file and the model agree on the class token; else _check_flat says.
   same_tokens = (('cls',) in restored) == model.has_class_token
   if POSEMB_PATH in restored and POSEMB_PATH in target and same_tokens:
     restored[POSEMB_PATH] = _fit_posemb(restored[POSEMB_PATH], target[POSEMB_PATH].shape,
                                         has_class_token=model.has_class_token, grid=grid,
-                                        method=method)
+                                        method=method, source_grid=source_grid)
   names = (positions.ROW, positions.COLUMN, positions.RELATIVE)
   for path, value in restored.items():
     if path[-1] in names and path in target and np.shape(value)[1:] == target[path].shape[1:]:
@@ -218,16 +228,6 @@ def _fit_patch_kernel(restored: dict, target: dict, model, source: str) -> dict:
   return {**restored, PATCH_KERNEL_PATH: resize_patch_kernel(kernel, new[:2])}
 
 
-def fit_positions(params: npz.Params, model, image_size: int, *,
-                  method: str = 'bilinear') -> npz.Params:
-  """`params` (per block, of `model` without scan_layers) with their position parameters
-  resized for square images of `image_size` pixels, whatever the posemb kind."""
-  target = traverse_util.flatten_dict(registry.param_shapes(model, image_size))
-  restored = _fit_positions(traverse_util.flatten_dict(params), target, model, grid=None,
-                            method=method)
-  return traverse_util.unflatten_dict(restored)
-
-
 def _shape_mismatches(params: dict, reference: dict) -> list[str]:
   """One phrase per differently shaped, missing or unexpected leaf of two flat trees."""
   name = '/'.join
@@ -268,8 +268,10 @@ def check_matches(params: npz.Params, reference: npz.Params, *, source: str) -> 
 
 
 def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_token: bool,
-                grid: Optional[tuple[int, int]], method: str) -> np.ndarray:
-  """`posemb` resized to the target's number of tokens, or as it is when no resize applies."""
+                grid: Optional[tuple[int, int]], method: str,
+                source_grid: Optional[tuple[int, int]]) -> np.ndarray:
+  """`posemb` of a grid `source_grid` (None: square) resized to the target's number of tokens
+  on `grid`, or as it is when no resize applies."""
   num_extra = 1 if has_class_token else 0
   if grid is None:
     if posemb.shape == tuple(target_shape):
@@ -280,7 +282,8 @@ def _fit_posemb(posemb: np.ndarray, target_shape: tuple[int, ...], *, has_class_
                           f'embeddings, but the model has {target_shape[1]}.')
   if posemb.ndim != 3 or posemb.shape[-1] != target_shape[-1]:
     return posemb  # Reported with both shapes by check_matches.
-  return resize_posemb(posemb, grid, has_class_token=has_class_token, method=method)
+  return resize_posemb(posemb, grid, has_class_token=has_class_token, method=method,
+                       source_grid_hw=source_grid)
 
 
 def _fit_pretraining_params(restored: dict, target: dict, source: str) -> dict:
@@ -312,9 +315,11 @@ def load_pretrained(path, init_params: npz.Params, model, *,
   - the position embeddings are resized with `resize_posemb` (class-token row kept when
     `model.has_class_token`) to `grid` = (rows, columns) of patches, by default the
     square grid of init_params's position embeddings. Pass `grid` for non-square images,
-    e.g. (384 // 16, 512 // 16). The tables of the other learned posemb kinds are resized to
-    init_params's with `resize_table`: learned_2d's rows and columns each on its axis,
-    relative's offsets; `none` and `sincos_2d` have nothing to resize;
+    e.g. (384 // 16, 512 // 16). The file's own grid is the one its spec records
+    (`file_grid`: runs trained at (height, width) record it), else square. The tables of the
+    other learned posemb kinds are resized to init_params's with `resize_table`: learned_2d's
+    rows and columns each on its axis, relative's offsets; `none` and `sincos_2d` have nothing
+    to resize;
   - a patch-embedding kernel of another patch size is resized with `resize_patch_kernel`
     (models without a ResNet stem), e.g. 7x7 to 14x14 for images of twice the size, which
     then start with the tokens the file's model gave them at the original size;
@@ -335,7 +340,8 @@ def load_pretrained(path, init_params: npz.Params, model, *,
     restored = {p: v for p, v in restored.items() if p[0] != 'head'}
     restored.update({p: v for p, v in target.items() if p[0] == 'head'})
   restored = _fit_pretraining_params(restored, target, source)
-  restored = _fit_positions(restored, target, model, grid=grid, method=posemb_method)
+  restored = _fit_positions(restored, target, model, grid=grid, method=posemb_method,
+                            source_grid=file_grid(spec, model))
   restored = _fit_patch_kernel(restored, target, model, source)
   _check_flat(restored, target, source)
   params = traverse_util.unflatten_dict(

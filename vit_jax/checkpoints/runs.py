@@ -2,8 +2,8 @@
 
 `load_model(path_or_workdir)` rebuilds a model from the spec saved inside a `model.npz` (a run's
 workdir stands for its `model.npz`, a published name for its downloaded file, `model_path`), or
-from a registry name for files without one; `read_run_config` reads a run's `config.json`, and
-`saved_label_names` the class names a run recorded.
+from a registry name for files without one; `read_run_config` reads a run's `config.json`,
+`saved_label_names` the class names a run recorded, and `trained_image_size` its image size.
 """
 import json
 import os
@@ -18,6 +18,7 @@ from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
 from vit_jax.models import positions
 from vit_jax.models import registry
+from vit_jax.models.blank import ImageSize
 
 
 WORKDIR_MODEL = 'model.npz'  # Where training writes the final params, in its workdir.
@@ -42,10 +43,14 @@ def posemb_of(params: npz.Params) -> np.ndarray:
                           'pos_embedding: it is not a ViT checkpoint.') from None
 
 
-def native_image_size(params: npz.Params, model) -> int:
+def native_image_size(params: npz.Params, model, spec: Optional[dict] = None) -> ImageSize:
   """The image size, in pixels, at which the checkpoint's position parameters (of
-  `model.posemb`'s kind) form the grid; one patch for the kinds without any (none, sincos_2d),
-  which fit every grid."""
+  `model.posemb`'s kind) form the grid: the (height, width) its saved `spec` records (training
+  runs record theirs), a side where they are equal; else the side of the square grid of the
+  parameters; one patch for the kinds without any (none, sincos_2d), which fit every grid."""
+  if spec is not None and 'image_size' in spec:
+    height, width = spec['image_size']
+    return height if height == width else (height, width)
   if model.posemb == 'learned_1d':
     num_patches = posemb_of(params).shape[1] - model.has_class_token
   elif model.posemb in ('learned_2d', 'relative'):
@@ -149,9 +154,15 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
       model = registry.model_from_spec(spec, **overrides)
     except ValueError as e:
       raise npz.CheckpointError(f'{path}: {e}') from None
-  finetune.check_matches(params, registry.param_shapes(model, native_image_size(params, model)),
-                source=path)
+  finetune.check_matches(
+      params, registry.param_shapes(model, native_image_size(params, model, spec)), source=path)
   return model, params
+
+
+def trained_image_size(path_or_workdir, params: npz.Params, model) -> ImageSize:
+  """`native_image_size` of the saved model at `path_or_workdir` (as `load_model` takes it),
+  with its `params` and `model`: the size its run recorded, else its position parameters'."""
+  return native_image_size(params, model, npz.read_spec(model_path(path_or_workdir)))
 
 
 def saved_label_names(path_or_workdir) -> Optional[list[str]]:

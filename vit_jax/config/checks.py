@@ -144,7 +144,7 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   from vit_jax import evaluators  # Here: its evaluators import train_setup, which imports this.
   if error := evaluators.config_error(config):
     return error
-  if error := randaug_error(config.pp.get('randaug')):
+  if error := randaug_error(config.pp.get('randaug')) or crop_error(config.pp.crop):
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
@@ -179,12 +179,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
   if error := encoder.stochastic_depth_error(model.stochastic_depth,
                                                 model.stochastic_depth_schedule):
     raise ConfigError(f'config.model.transformer.{error}')
-  step = np.array(model.patch_pixels)
-  if any(config.pp.crop % step):
+  step, crop = np.array(model.patch_pixels), np.array(blank.image_hw(config.pp.crop))
+  if any(crop % step):
+    fitting = tuple(int(side) for side in np.maximum(crop // step, 1) * step)
     raise ConfigError(
         f'config.pp.crop={config.pp.crop} is not divisible by the patch size '
         f'{step[0]}x{step[1]} of {config.model_name}: use e.g. '
-        f'{max(config.pp.crop // step[0], 1) * step[0]}.')
+        f'{fitting[0] if isinstance(config.pp.crop, int) else fitting}.')
   if param_groups.is_set(config):  # The parameter names (shapes only) their regexes select.
     named = model.clone(posemb=config.posemb, scan_layers=config.scan_layers)
     named = tasks.for_config(config).model(named, config)
@@ -236,6 +237,16 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
   if not os.path.exists(path):
     raise ConfigError(f'config.pretrained_path={path!r} does not exist: give the path of a .npz '
                       'checkpoint (published, or a WORKDIR/model.npz) or of a training workdir.')
+
+
+def crop_error(crop) -> str | None:
+  """Why `config.pp.crop` cannot work, or None: a side in pixels (square images) or (height,
+  width), each an integer greater than 0."""
+  sides = crop if isinstance(crop, (tuple, list)) else (crop,)
+  if len(sides) in (1, 2) and all(_is_kind(side, int) and side > 0 for side in sides):
+    return None
+  return (f'config.pp.crop={crop!r} must be a side in pixels greater than 0 (e.g. 224) or '
+          '(height, width), e.g. (224, 320).')
 
 
 def randaug_error(randaug) -> str | None:

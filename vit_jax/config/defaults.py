@@ -37,7 +37,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.shuffle_buffer = 50_000
   config.prefetch = 2
   config.pp = ml_collections.ConfigDict({
-      'crop': 224,
+      'crop': ml_collections.FieldReference(224, field_type=object),  # Or (height, width).
       'resize': ml_collections.FieldReference(None, field_type=int),
       'flip': True,
       'inception_crop': True,

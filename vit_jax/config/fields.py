@@ -43,7 +43,8 @@ FIELD_HELP = {
                            'default such a resume is refused.',
     'shuffle_buffer': 'tfds datasets: records in the shuffle buffer.',
     'prefetch': 'Batches prepared ahead of the step.',
-    'pp.crop': 'Model resolution in pixels (a multiple of the patch size).',
+    'pp.crop': 'Model resolution in pixels (a multiple of the patch size): a side for square '
+               'images, or (height, width), e.g. (224, 320).',
     'pp.resize': 'Evaluation: resize the short side to this, then crop the centre; None: '
                  'resize to pp.crop.',
     'pp.flip': 'Training: random horizontal flips.',
@@ -166,7 +167,6 @@ FIELD_RANGES = {
     'seed': Range(int, 0),
     'shuffle_buffer': POSITIVE_INT,
     'prefetch': Range(int, 0),
-    'pp.crop': POSITIVE_INT,
     'pp.resize': Range(int, 0, open='low', special=((None, 'resize to pp.crop'),)),
     'pp.area_min': Range(float, 0, 1, open='low'),
     'batch': POSITIVE_INT,

@@ -40,13 +40,15 @@ def load_labels(labels: Optional[str], num_classes: int,
   return names
 
 
-def load_image(path: str, image_size: int) -> np.ndarray:
-  """The image at `path` as (image_size, image_size, 3) float32 RGB values in [-1, 1]."""
+def load_image(path: str, image_size: int | tuple[int, int]) -> np.ndarray:
+  """The image at `path` resized to `image_size` (a side, or (height, width)), as (height,
+  width, 3) float32 RGB values in [-1, 1]."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file')
   try:
     with Image.open(path) as image:
-      image = image.convert('RGB').resize((image_size, image_size), Image.Resampling.BILINEAR)
+      height, width = image_size if isinstance(image_size, (tuple, list)) else (image_size,) * 2
+      image = image.convert('RGB').resize((width, height), Image.Resampling.BILINEAR)
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise ValueError(f'{path}: cannot decode the image ({e})') from None
   return np.asarray(image, np.float32) / 127.5 - 1

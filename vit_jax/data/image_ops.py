@@ -6,6 +6,7 @@ image's own random key so that a resumed run sees the same augmentations.
 import tensorflow as tf
 
 from vit_jax.data import randaugment
+from vit_jax.models import blank
 
 
 INCEPTION_AREA_MIN = 0.05  # The paper's default; config.pp.area_min overrides it.
@@ -18,9 +19,10 @@ def to_unit_range(image: tf.Tensor) -> tf.Tensor:
   return tf.cast(image, tf.float32) / 127.5 - 1
 
 
-def resize(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3) -> float32 (size, size, 3), bilinear."""
-  return tf.image.resize(image, [size, size], method='bilinear')
+def resize(image: tf.Tensor, size) -> tf.Tensor:
+  """(..., height, width, 3) -> float32 (..., h, w, 3), bilinear; `size` a side in pixels (h =
+  w) or (h, w)."""
+  return tf.image.resize(image, blank.image_hw(size), method='bilinear')
 
 
 def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
@@ -30,9 +32,10 @@ def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
   return tf.image.resize(image, new_shape, method='bilinear')
 
 
-def central_crop(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3), both >= size -> (size, size, 3) from the centre."""
-  return tf.image.resize_with_crop_or_pad(image, size, size)
+def central_crop(image: tf.Tensor, size) -> tf.Tensor:
+  """(height, width, 3), each at least the side of `size` (a side, or (h, w)) -> (h, w, 3)
+  from the centre."""
+  return tf.image.resize_with_crop_or_pad(image, *blank.image_hw(size))
 
 
 def inception_crop(image: tf.Tensor, key: tf.Tensor,
@@ -57,7 +60,8 @@ def inception_crop(image: tf.Tensor, key: tf.Tensor,
 
 
 def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1], augmented by `key`:
+  """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`
+  (`blank.image_hw`), augmented by `key`:
   crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8."""
   crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
   if pp.get('inception_crop', True):
@@ -72,16 +76,16 @@ def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
 
 
 def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (pp.crop, pp.crop, 3) in [-1, 1]."""
+  """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`."""
   if pp.get('resize'):
     image = central_crop(resize_short_side(image, pp.resize), pp.crop)
   else:
     image = resize(image, pp.crop)
-  return to_unit_range(tf.ensure_shape(image, [pp.crop, pp.crop, 3]))
+  return to_unit_range(tf.ensure_shape(image, [*blank.image_hw(pp.crop), 3]))
 
 
 def check_pp(pp):
-  if pp.get('resize') and pp.resize < pp.crop:
+  if pp.get('resize') and pp.resize < max(blank.image_hw(pp.crop)):
     raise ValueError(f'config.pp.resize={pp.resize} is smaller than config.pp.crop={pp.crop}: '
                      'the central crop must fit; set pp.resize >= pp.crop, or None to resize '
                      'straight to pp.crop.')

@@ -43,6 +43,7 @@ import tensorflow as tf
 from vit_jax.data import image_ops
 from vit_jax.data import shards
 from vit_jax.data import sources
+from vit_jax.models import blank
 
 
 EMBEDDED_DATASET = sources.EMBEDDED_DATASET
@@ -176,7 +177,7 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
     return {'image': image_ops.preprocess_eval(shard.decode(record['image']), config.pp),
             'label': tf.cast(record['label'], tf.int32), 'mask': tf.constant(1.0)}
 
-  padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
+  padding = {'image': tf.zeros([*blank.image_hw(config.pp.crop), 3]),
              'label': tf.constant(0), 'mask': tf.constant(0.0)}
   examples = shard.epoch(None).map(
       shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from vit_jax import hardware
+from vit_jax.models import blank
 
 # TensorFlow, and the input pipeline that imports it, are imported where they are used: the
 # command line sets up its console (vit_jax.console.run) before TensorFlow loads.
@@ -286,7 +287,7 @@ def train_batches(config, labels: np.ndarray, draws, shots: Sequence[int],
   is_shot, is_held_out = membership(mine, draws, shots)
   images = selected_images(config, config.train_split, mine, batch)
 
-  no_images = np.zeros((0, config.pp.crop, config.pp.crop, 3), np.float32)
+  no_images = np.zeros((0, *blank.image_hw(config.pp.crop), 3), np.float32)
 
   def local_batches():
     for i in range(-(-len(positions) // config.batch_eval)):  # Every share fits in as many.

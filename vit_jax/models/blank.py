@@ -15,9 +15,21 @@ import jax.numpy as jnp
 ImageSize = int | tuple[int, int]  # Pixels of a square image, or (height, width).
 
 
+def image_hw(image_size: ImageSize) -> tuple[int, int]:
+  """(height, width) in pixels of `image_size`: an int for a square image, or (height, width)."""
+  if isinstance(image_size, (tuple, list)):
+    return int(image_size[0]), int(image_size[1])
+  return int(image_size), int(image_size)
+
+
+def size_text(image_size: ImageSize) -> str:
+  """'224x320': `image_size` as height x width in pixels, as the commands print it."""
+  return '{}x{}'.format(*image_hw(image_size))
+
+
 def blank_images(image_size: ImageSize) -> jax.ShapeDtypeStruct:
   """The (1, H, W, 3) float32 batch that `init` traces."""
-  height, width = image_size if isinstance(image_size, (tuple, list)) else (image_size,) * 2
+  height, width = image_hw(image_size)
   return jax.ShapeDtypeStruct((1, height, width, 3), jnp.float32)
 
 

@@ -29,23 +29,44 @@ def _layer_norm(dtype, name=None):
 
 
 class AddPositionEmbs(nn.Module):
-  """Adds learned 1-D position embeddings `pos_embedding` (1, T, D) to (B, T, D) inputs."""
+  """Adds learned 1-D position embeddings `pos_embedding` (1, T, D) to (B, T, D) inputs whose
+  last h*w tokens are the patches of a grid (h, w). With `dynamic`, embeddings made for another
+  grid, `stored_grid` (None: square), are interpolated to this one (positions.resize_grid); the
+  tokens before the patches (the class token) keep theirs."""
   posemb_init: Callable = nn.initializers.normal(stddev=0.02)
+  dynamic: bool = False
+  stored_grid: Optional[tuple[int, int]] = None
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, grid: Optional[tuple[int, int]] = None):
     expected = (1, x.shape[1], x.shape[2])
-    if self.has_variable('params', 'pos_embedding'):
-      found = self.get_variable('params', 'pos_embedding').shape
-      if tuple(found) != expected:
-        raise ValueError(
-            f'The image gives {x.shape[1]} tokens but the position embeddings '
-            f'(Transformer/posembed_input/pos_embedding) have shape {tuple(found)}, '
-            f'not {expected}. Resize the images to the resolution the model was built for, '
-            'or resize the position embeddings (vit_jax.checkpoint.load_pretrained does it).')
+    stored = self.has_variable('params', 'pos_embedding')
+    found = tuple(self.get_variable('params', 'pos_embedding').shape) if stored else expected
+    resize = stored and self.dynamic and grid is not None and (
+        found != expected or self.stored_grid not in (None, tuple(grid)))
+    if found != expected and not resize:
+      raise ValueError(
+          f'The image gives {x.shape[1]} tokens but the position embeddings '
+          f'(Transformer/posembed_input/pos_embedding) have shape {found}, '
+          f'not {expected}. Resize the images to the resolution the model was built for, '
+          'resize the position embeddings (vit_jax.checkpoint.load_pretrained does it), or '
+          'apply the model with dynamic_img_size=True.')
     posemb = self.param('pos_embedding', with_axes(self.posemb_init, None, 'seq', 'embed'),
-                        expected)
+                        found)
+    if resize:
+      extra = x.shape[1] - grid[0] * grid[1]
+      posemb = jnp.concatenate([posemb[:, :extra], positions.resize_grid(
+          posemb[0, extra:], self.source_grid(found[1] - extra), grid)[None]], axis=1)
     return x + posemb.astype(x.dtype)
+
+  def source_grid(self, num_patches: int) -> tuple[int, int]:
+    """The grid of the `num_patches` stored embeddings: `stored_grid`, else a square; a
+    ValueError when neither fits."""
+    grid = self.stored_grid or (math.isqrt(num_patches),) * 2
+    if grid[0] * grid[1] != num_patches:
+      raise ValueError(f'The {num_patches} position embeddings do not form the grid {grid}: give '
+                       'the model the grid they were made for (posemb_grid=(rows, columns)).')
+    return tuple(grid)
 
 
 class MlpBlock(nn.Module):
@@ -169,6 +190,8 @@ class Encoder(nn.Module):
   the backward pass anyway), and pick them from it.
   `posemb` (vit_jax.models.positions) says how positions enter, for patches on a grid of (rows,
   columns) `grid`: at the input (`posembed_input`), or in each block's attention (relative).
+  With `dynamic_img_size`, learned position parameters made for another grid (learned_1d's:
+  `posemb_grid`, None for a square one) are interpolated to `grid` (see VisionTransformer).
   """
   num_layers: int
   mlp_dim: int
@@ -183,6 +206,8 @@ class Encoder(nn.Module):
   stochastic_depth: float = 0.0
   stochastic_depth_schedule: str = 'linear'
   posemb: str = 'learned_1d'
+  dynamic_img_size: bool = False
+  posemb_grid: Optional[tuple[int, int]] = None
 
   def remat(self, block_class):
     """`block_class`, rematerialised under `remat_policy` when one is set."""
@@ -198,11 +223,13 @@ class Encoder(nn.Module):
     """(B, T, D) tokens -> the final LayerNorm's (B, T, D); with `keep`, (that, the tuple of the
     outputs of the blocks `keep`, in its order)."""
     if self.posemb == 'learned_1d':
-      x = AddPositionEmbs(name='posembed_input')(x)
+      x = AddPositionEmbs(dynamic=self.dynamic_img_size, stored_grid=self.posemb_grid,
+                          name='posembed_input')(x, grid)
     elif grid is None:
       raise ValueError(f'posemb={self.posemb!r} needs the grid (rows, columns) of the patches.')
     else:
-      x = positions.AddGridPositions(self.posemb, name='posembed_input')(x, grid)
+      x = positions.AddGridPositions(self.posemb, dynamic=self.dynamic_img_size,
+                                     name='posembed_input')(x, grid)
     x = nn.with_logical_constraint(nn.Dropout(self.dropout_rate)(x, deterministic=not train),
                                    TOKENS)
     block_fields = dict(mlp_dim=self.mlp_dim, num_heads=self.num_heads,

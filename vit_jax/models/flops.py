@@ -2,6 +2,7 @@
 `forward_flops(model, image_size)`, `gflops_per_image` (a training step costs about 3 times as
 much: the forward pass and twice it for the backward).
 """
+from vit_jax.models import blank
 from vit_jax.models import vit
 
 
@@ -27,35 +28,44 @@ def same_conv_taps(size: int, kernel: int, stride: int) -> tuple[int, int]:
   return taps, out
 
 
-def conv_flops(size: int, cin: int, cout: int, kernel: int, stride: int = 1) -> tuple[int, int]:
-  """(FLOPs of models_resnet.StdConv, bias-free and 'SAME', on a size x size x cin map, with
-  its weight standardisation; its output size)."""
-  taps, out = same_conv_taps(size, kernel, stride)
-  return (2 * taps * taps + STANDARDIZE_FLOPS * kernel * kernel) * cin * cout, out
+def conv_flops(size: tuple[int, int], cin: int, cout: int, kernel: int,
+               stride: int = 1) -> tuple[int, tuple[int, int]]:
+  """(FLOPs of models_resnet.StdConv, bias-free and 'SAME', on a (height, width) = `size` x cin
+  map, with its weight standardisation; its output size (height, width))."""
+  (rows, out_h), (columns, out_w) = (same_conv_taps(side, kernel, stride) for side in size)
+  return (2 * rows * columns + STANDARDIZE_FLOPS * kernel * kernel) * cin * cout, (out_h, out_w)
 
 
-def residual_unit_flops(size: int, cin: int, features: int, stride: int) -> tuple[int, int]:
-  """(FLOPs of models_resnet.ResidualUnit on a size x size x cin map, its output size)."""
+def residual_unit_flops(size: tuple[int, int], cin: int, features: int,
+                        stride: int) -> tuple[int, tuple[int, int]]:
+  """(FLOPs of models_resnet.ResidualUnit on a (height, width) = `size` x cin map, its output
+  size)."""
   conv1, _ = conv_flops(size, cin, features, 1)
   conv2, out = conv_flops(size, features, features, 3, stride)
   conv3, _ = conv_flops(out, features, 4 * features, 1)
-  flops = conv1 + conv2 + conv3 + (NORM_FLOPS + 1) * (size**2 + out**2) * features  # gn, ReLU.
-  flops += (NORM_FLOPS + 2) * out**2 * 4 * features  # gn3, residual add, ReLU.
+  area, out_area = size[0] * size[1], out[0] * out[1]
+  flops = conv1 + conv2 + conv3 + (NORM_FLOPS + 1) * (area + out_area) * features  # gn, ReLU.
+  flops += (NORM_FLOPS + 2) * out_area * 4 * features  # gn3, residual add, ReLU.
   if cin != 4 * features or stride != 1:
-    flops += conv_flops(size, cin, 4 * features, 1, stride)[0] + NORM_FLOPS * out**2 * 4 * features
+    projection, _ = conv_flops(size, cin, 4 * features, 1, stride)
+    flops += projection + NORM_FLOPS * out_area * 4 * features
   return flops, out
 
 
-def stem_flops(model: vit.VisionTransformer, image_size: int) -> tuple[int, int, int]:
-  """(FLOPs of the hybrid's ResNet stem on one image, side and channels of the map it gives);
-  (0, image_size, 3) without a stem."""
+def stem_flops(model: vit.VisionTransformer,
+               image_size: blank.ImageSize) -> tuple[int, tuple[int, int], int]:
+  """(FLOPs of the hybrid's ResNet stem on one image of `image_size` (a side, or (height,
+  width)), (height, width) and channels of the map it gives); (0, the image's, 3) without a
+  stem."""
+  size = blank.image_hw(image_size)
   if model.resnet_layers is None:
-    return 0, image_size, 3
+    return 0, size, 3
   width = int(64 * model.resnet_width_factor)
-  flops, size = conv_flops(image_size, 3, width, 7, 2)
-  flops += (NORM_FLOPS + 1) * size**2 * width  # gn_root, ReLU.
-  taps, size = same_conv_taps(size, 3, 2)
-  flops += (taps**2 - size**2) * width  # Max-pool comparisons.
+  flops, size = conv_flops(size, 3, width, 7, 2)
+  flops += (NORM_FLOPS + 1) * size[0] * size[1] * width  # gn_root, ReLU.
+  (rows, out_h), (columns, out_w) = (same_conv_taps(side, 3, 2) for side in size)
+  size = out_h, out_w
+  flops += (rows * columns - out_h * out_w) * width  # Max-pool comparisons.
   channels = width
   for i, num_units in enumerate(model.resnet_layers):
     for j in range(num_units):
@@ -74,14 +84,14 @@ def block_flops(tokens: int, hidden: int, mlp: int, heads: int) -> int:
   return products + elementwise
 
 
-def forward_flops(model: vit.VisionTransformer, image_size: int = 224) -> int:
-  """FLOPs of the forward pass of one image_size x image_size image, counted from the model's
-  shapes (a multiply-add is 2 FLOPs): the hybrid stem's convolutions, the patch embedding, each
-  block (vit_jax.models.block_flops), the head. Matches XLA's cost analysis on CPU to within
-  1% for every registry model, and needs no backend."""
+def forward_flops(model: vit.VisionTransformer, image_size: blank.ImageSize = 224) -> int:
+  """FLOPs of the forward pass of one image of `image_size` (a side, or (height, width)),
+  counted from the model's shapes (a multiply-add is 2 FLOPs): the hybrid stem's convolutions,
+  the patch embedding, each block (vit_jax.models.block_flops), the head. Matches XLA's cost
+  analysis on CPU to within 1% for every registry model, and needs no backend."""
   flops, size, channels = stem_flops(model, image_size)
   (ph, pw), d = model.patch_size, model.hidden_size
-  patches = (size // ph) * (size // pw)
+  patches = (size[0] // ph) * (size[1] // pw)
   tokens = patches + (model.classifier in ('token', 'token_unpooled'))
   flops += 2 * patches * ph * pw * channels * d + patches * d + tokens * d  # Bias, posemb.
   flops += model.num_layers * block_flops(tokens, d, model.mlp_dim, model.num_heads)
@@ -95,6 +105,6 @@ def forward_flops(model: vit.VisionTransformer, image_size: int = 224) -> int:
   return flops + outputs * (2 * d + 1) * model.num_classes
 
 
-def gflops_per_image(model: vit.VisionTransformer, image_size: int = 224) -> float:
+def gflops_per_image(model: vit.VisionTransformer, image_size: blank.ImageSize = 224) -> float:
   """Forward-pass GFLOPs of one image (`forward_flops` / 1e9)."""
   return forward_flops(model, image_size) / 1e9

@@ -19,6 +19,13 @@ h rows and w columns, D hidden size, N heads, K = D/N head size.
 - `sincos_2d`: fixed sines and cosines of the row and of the column (`sincos_2d`); no
   parameters.
 
+With `dynamic_img_size` (a VisionTransformer field, off in training) the learned tables of
+`learned_1d` and `learned_2d` are interpolated at apply time to the grid of each image
+(`resize_grid`, `learned_table`): bilinearly with corners aligned, as fine-tuning resizes them
+at load (vit_jax.checkpoints.finetune); on the grid they were made for they are used as they
+are. `sincos_2d` and `none` fit any grid anyway; `relative`'s offsets are 1-D over the raster
+and have no meaning on a grid of another width, so it refuses `dynamic_img_size`.
+
 In every kind but `learned_1d` the class token gets no position: its own learned `cls` vector
 already is what a position embedding of it would add, and it has no place on the grid. Under
 `relative` its logits get no bias.
@@ -63,16 +70,47 @@ def sincos_2d(grid: tuple[int, int], width: int,
                          np.cos(column_angles)], axis=1).astype(np.float32)
 
 
-def learned_table(module: nn.Module, name: str, shape: tuple[int, ...], *axes) -> jnp.ndarray:
-  """`module`'s learned parameter `name` of `shape` (logical `axes`); a ValueError naming both
-  shapes when an existing one was made for another grid."""
+def interpolation_matrix(size: int, new_size: int) -> np.ndarray:
+  """(new_size, size) float32: linear interpolation of `size` samples to `new_size`, ends
+  aligned (new sample i lies at i * (size - 1) / (new_size - 1) of the old ones), as
+  scipy.ndimage.zoom(order=1) interpolates: the first and last samples are kept."""
+  source = np.arange(new_size) * (size - 1) / max(new_size - 1, 1)
+  low = np.minimum(np.floor(source).astype(int), max(size - 2, 0))
+  high = np.minimum(low + 1, size - 1)
+  matrix = np.zeros((new_size, size), np.float32)
+  np.add.at(matrix, (np.arange(new_size), low), 1 - (source - low))
+  np.add.at(matrix, (np.arange(new_size), high), source - low)
+  return matrix
+
+
+def resize_grid(table, grid: tuple[int, int], new_grid: tuple[int, int]):
+  """Embeddings (h*w, D) of a grid (h, w), row by row, interpolated bilinearly (corners aligned)
+  to a grid (h', w'): (h'*w', D); `table` itself where the grids are the same."""
+  if tuple(grid) == tuple(new_grid):
+    return table
+  rows = interpolation_matrix(grid[0], new_grid[0])
+  columns = interpolation_matrix(grid[1], new_grid[1])
+  resized = jnp.einsum('ih,jw,hwd->ijd', rows, columns, table.reshape(*grid, -1))
+  return resized.reshape(new_grid[0] * new_grid[1], -1).astype(table.dtype)
+
+
+def learned_table(module: nn.Module, name: str, shape: tuple[int, ...], *axes,
+                  dynamic: bool = False) -> jnp.ndarray:
+  """`module`'s learned parameter `name` of `shape` (logical `axes`). When an existing one was
+  made for another grid (its first axis differs): with `dynamic`, it interpolated along that
+  axis to `shape` (`interpolation_matrix`); otherwise a ValueError naming both shapes."""
   if module.has_variable('params', name):
     found = tuple(module.get_variable('params', name).shape)
+    if dynamic and found[1:] == tuple(shape[1:]):
+      table = module.param(name, with_axes(_INIT, *axes), found)
+      return jnp.einsum('in,n...->i...', interpolation_matrix(found[0], shape[0]),
+                        table).astype(table.dtype)
     if found != tuple(shape):
       raise ValueError(
           f'The image gives position tables of shape {tuple(shape)} but {name} has shape '
-          f'{found}. Resize the images to the resolution the model was built for, or resize '
-          'the position embeddings (vit_jax.checkpoint.load_pretrained does it).')
+          f'{found}. Resize the images to the resolution the model was built for, resize the '
+          'position embeddings (vit_jax.checkpoint.load_pretrained does it), or apply the model '
+          'with dynamic_img_size=True.')
   return module.param(name, with_axes(_INIT, *axes), shape)
 
 
@@ -104,16 +142,20 @@ def patch_embeddings(params, posemb: str, grid: tuple[int, int]) -> np.ndarray:
 
 class AddGridPositions(nn.Module):
   """Adds `learned_2d` or `sincos_2d` embeddings to the patch tokens, the last h*w of (B, T, D)
-  inputs; `none` and `relative` return the inputs as they are."""
+  inputs; `none` and `relative` return the inputs as they are. With `dynamic`, learned_2d's
+  tables of another grid are interpolated to this one (`learned_table`)."""
   posemb: str
+  dynamic: bool = False
 
   @nn.compact
   def __call__(self, x, grid: tuple[int, int]):
     h, w = grid
     d = x.shape[-1]
     if self.posemb == 'learned_2d':
-      table = grid_table(learned_table(self, ROW, (h, d // 2), 'seq', 'embed'),
-                         learned_table(self, COLUMN, (w, d // 2), 'seq', 'embed'))
+      table = grid_table(learned_table(self, ROW, (h, d // 2), 'seq', 'embed',
+                                       dynamic=self.dynamic),
+                         learned_table(self, COLUMN, (w, d // 2), 'seq', 'embed',
+                                       dynamic=self.dynamic))
     elif self.posemb == 'sincos_2d':
       table = jnp.asarray(sincos_2d(grid, d))
     else:

@@ -110,8 +110,9 @@ LISTED_MODELS = tuple(name for name in MODEL_CONFIGS if name != 'testing')
 
 
 # VisionTransformer fields that choose how the model runs, not what it computes: left out of
-# its spec, and chosen anew by whoever loads it.
-EXECUTION_FIELDS = ('dtype', 'scan_layers', 'remat_policy', 'attention')
+# its spec, and chosen anew by whoever loads it (the apply-time size: `VisionTransformer.any_size`).
+EXECUTION_FIELDS = ('dtype', 'scan_layers', 'remat_policy', 'attention', 'dynamic_img_size',
+                    'posemb_grid')
 
 
 def get_model_config(name: str) -> ml_collections.ConfigDict:

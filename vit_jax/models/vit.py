@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from vit_jax.models import attention
+from vit_jax.models import blank
 from vit_jax.models import encoder
 from vit_jax.models import positions
 from vit_jax.models import resnet
@@ -39,6 +40,9 @@ Dtype = Any
 
 CLASSIFIERS = ('token', 'gap', 'unpooled', 'token_unpooled')
 TOKEN_CLASSIFIERS = ('token', 'token_unpooled')  # Those that put a class token first.
+NOT_DYNAMIC = ("dynamic_img_size=True does not work with posemb='relative': its 1-D offsets "
+               'over the raster have no meaning on a grid of another width; resize the images '
+               'to the size the model was trained at.')
 
 
 def reshape_rows(x: jax.Array, *shape: int) -> jax.Array:
@@ -134,6 +138,11 @@ class VisionTransformer(nn.Module):
   # 'linear': rising from 0 at the first block to stochastic_depth at the last; or 'uniform'.
   stochastic_depth_schedule: str = 'linear'
   posemb: str = 'learned_1d'  # How positions enter: one of positions.POSEMB_KINDS.
+  # Apply time (timm's dynamic_img_size; off in training): images of any size multiple of the
+  # patch, the learned position parameters interpolated to their grid (`any_size`).
+  dynamic_img_size: bool = False
+  # With dynamic_img_size: the (rows, columns) learned_1d's embeddings were made for; None: square.
+  posemb_grid: Optional[tuple[int, int]] = None
 
   def check_images(self, images):
     """Raises a ValueError, naming the sizes, for images the model cannot cut into patches."""
@@ -147,6 +156,8 @@ class VisionTransformer(nn.Module):
                                                self.stochastic_depth_schedule):
       raise ValueError(error)
     positions.check_posemb(self.posemb, self.hidden_size)
+    if self.dynamic_img_size and self.posemb == 'relative':
+      raise ValueError(NOT_DYNAMIC)
     if images.ndim != 4:
       raise ValueError(f'Expected NHWC images of rank 4, got shape {images.shape}.')
     if not jnp.issubdtype(images.dtype, jnp.floating):
@@ -180,9 +191,19 @@ class VisionTransformer(nn.Module):
   def grid(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
     """The (rows, columns) of patches of an image of `image_size` pixels: an int for a square
     image, or (height, width)."""
-    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    h, w = blank.image_hw(image_size)
     ph, pw = self.patch_pixels
     return h // ph, w // pw
+
+  def any_size(self, trained_size: int | tuple[int, int]) -> 'VisionTransformer':
+    """This model applied to images of any size (a multiple of the patch), its parameters those
+    of images of `trained_size` pixels (an int for square, or (height, width)): with
+    `dynamic_img_size`, learned position parameters are interpolated to each image's grid
+    (bilinear, corners aligned, as `finetune.load_pretrained` resizes them at load), and used as
+    they are at `trained_size`. A ValueError (NOT_DYNAMIC) for posemb='relative'."""
+    if self.posemb == 'relative':
+      raise ValueError(NOT_DYNAMIC)
+    return self.clone(dynamic_img_size=True, posemb_grid=self.grid(trained_size))
 
   def features(self, images, *, train=False):
     """The representation the head sees, as float32: (B, representation_size or hidden_size).
@@ -230,6 +251,7 @@ class VisionTransformer(nn.Module):
         remat_policy=self.remat_policy, attention=self.attention,
         stochastic_depth=self.stochastic_depth,
         stochastic_depth_schedule=self.stochastic_depth_schedule, posemb=self.posemb,
+        dynamic_img_size=self.dynamic_img_size, posemb_grid=self.posemb_grid,
         name='Transformer')(tokens, train=train, grid=grid, keep=keep)
 
   def pool_and_classify(self, tokens: jax.Array, *, head: bool = True) -> jax.Array:

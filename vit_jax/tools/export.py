@@ -5,8 +5,9 @@
     python -m vit_jax.export --checkpoint WORKDIR --format saved_model --out vit_saved_model
 
 `--checkpoint` is a training workdir or an `.npz`; files vit_jax wrote carry their model spec,
-a published `.npz` needs `--model` (its registry name). The image size is the resolution of the
-position embeddings. Formats:
+a published `.npz` needs `--model` (its registry name). The image size is the one the model was
+trained at (its run's record, else the resolution of its position embeddings), square or (height,
+width), which every format keeps. Formats:
 - timm: one .safetensors with the state dict of timm's VisionTransformer (or, for hybrids, its
   `vit_*_r*` models); the arguments that build the matching timm model are printed and kept in
   the file's metadata (`timm_model`, `timm_model_args`).
@@ -19,7 +20,7 @@ position embeddings. Formats:
   classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
   model is lowered for CPU, CUDA GPUs and TPUs.
 - tflite: the uint8 function, converted by TFLite's converter with its built-in ops only, at a
-  fixed (1, size, size, 3): TFLite's converter cannot convert the polymorphic batch (taking the
+  fixed (1, height, width, 3): TFLite's converter cannot convert the polymorphic batch (taking the
   class token becomes a `dynamic_gather`, which it does not support).
 A model a format cannot represent (a GAP or pre-logits model for Hugging Face, per-token logits
 for timm...) is refused in one line that says why, before anything is written. An existing
@@ -41,6 +42,7 @@ from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.checkpoints import torch_layout
 from vit_jax.data import image_files
+from vit_jax.models import blank
 from vit_jax.models import encoder
 
 FORMATS = ('timm', 'hf', 'saved_model', 'tflite')
@@ -96,9 +98,11 @@ def check_exportable(model, format_name: str) -> None:
                         'or saved_model.')
 
 
-def timm_model_args(model, image_size: int) -> tuple[str, dict]:
-  """(timm model name or 'VisionTransformer', keyword arguments) that build the exported model."""
-  args = dict(img_size=image_size, num_classes=model.num_classes,
+def timm_model_args(model, image_size: blank.ImageSize) -> tuple[str, dict]:
+  """(timm model name or 'VisionTransformer', keyword arguments) that build the exported model;
+  img_size a side, or (height, width) for non-square images, as timm takes it."""
+  args = dict(img_size=image_size if isinstance(image_size, int) else list(image_size),
+              num_classes=model.num_classes,
               act_layer=torch_layout.TIMM_GELU[model.approximate_gelu])
   if model.classifier == 'gap':  # Mean of the patch tokens after the final LayerNorm.
     args.update(class_token=False, global_pool='avg', fc_norm=False)
@@ -110,15 +114,17 @@ def timm_model_args(model, image_size: int) -> tuple[str, dict]:
       num_heads=model.num_heads, mlp_ratio=model.mlp_dim / model.hidden_size, **args)
 
 
-def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
-  """The `config.json` of ViTForImageClassification (ViTConfig's fields) for `model`."""
+def hugging_face_config(model, image_size: blank.ImageSize, labels: list[str]) -> dict:
+  """The `config.json` of ViTForImageClassification (ViTConfig's fields) for `model`;
+  image_size a side, or [height, width] (ViTConfig takes either)."""
   return {
       'architectures': ['ViTForImageClassification'], 'model_type': 'vit',
       'hidden_size': model.hidden_size, 'num_hidden_layers': model.num_layers,
       'num_attention_heads': model.num_heads, 'intermediate_size': model.mlp_dim,
       'hidden_act': torch_layout.HUGGING_FACE_GELU[model.approximate_gelu],
       'hidden_dropout_prob': 0.0, 'attention_probs_dropout_prob': 0.0,
-      'layer_norm_eps': encoder.LAYERNORM_EPS, 'image_size': image_size,
+      'layer_norm_eps': encoder.LAYERNORM_EPS,
+      'image_size': image_size if isinstance(image_size, int) else list(image_size),
       'patch_size': model.patch_size[0], 'num_channels': 3, 'qkv_bias': True,
       'encoder_stride': model.patch_size[0],
       'id2label': {str(i): name for i, name in enumerate(labels)},
@@ -126,10 +132,11 @@ def hugging_face_config(model, image_size: int, labels: list[str]) -> dict:
   }
 
 
-def hugging_face_preprocessor(image_size: int) -> dict:
+def hugging_face_preprocessor(image_size: blank.ImageSize) -> dict:
   """ViTImageProcessor's settings for our preprocessing: bilinear resize, x / 127.5 - 1."""
+  height, width = blank.image_hw(image_size)
   return {'image_processor_type': 'ViTImageProcessor', 'do_resize': True,
-          'size': {'height': image_size, 'width': image_size}, 'resample': 2,  # PIL bilinear.
+          'size': {'height': height, 'width': width}, 'resample': 2,  # PIL bilinear.
           'do_rescale': True, 'rescale_factor': 1 / 255, 'do_normalize': True,
           'image_mean': [0.5] * 3, 'image_std': [0.5] * 3}
 
@@ -152,14 +159,15 @@ def _write_safetensors(tensors: dict[str, np.ndarray], path: str, metadata: dict
     f.write(safetensors.numpy.save(tensors, metadata=metadata))
 
 
-def write_timm(model, params, image_size: int, out: str, labels: list[str]) -> None:
+def write_timm(model, params, image_size: blank.ImageSize, out: str, labels: list[str]) -> None:
   del labels  # A timm state dict has no place for them.
   name, args = timm_model_args(model, image_size)
   _write_safetensors(state_dict(params, 'timm'), out, metadata={
       'format': 'pt', 'timm_model': name, 'timm_model_args': json.dumps(args)})
 
 
-def write_hugging_face(model, params, image_size: int, out: str, labels: list[str]) -> None:
+def write_hugging_face(model, params, image_size: blank.ImageSize, out: str,
+                       labels: list[str]) -> None:
   os.makedirs(out)
   _write_safetensors(state_dict(params, 'hf'), os.path.join(out, 'model.safetensors'),
                      metadata={'format': 'pt'})
@@ -168,21 +176,24 @@ def write_hugging_face(model, params, image_size: int, out: str, labels: list[st
               os.path.join(out, 'preprocessor_config.json'))
 
 
-def serving_module(model, params, image_size: int, batch_size: Optional[int] = None):
-  """A tf.Module holding `params` as variables, with the uint8 and float serving functions.
+def serving_module(model, params, image_size: blank.ImageSize,
+                   batch_size: Optional[int] = None):
+  """A tf.Module holding `params` as variables, with the uint8 and float serving functions,
+  which resize to `image_size` (a side, or (height, width)).
 
   With `batch_size` None they take (B, H, W, 3) images of any B, H and W, lowered for
-  SERVING_PLATFORMS; otherwise (batch_size, image_size, image_size, 3), for the CPU alone (what
-  TFLite converts).
+  SERVING_PLATFORMS; otherwise (batch_size, height, width, 3), for the CPU alone (what TFLite
+  converts).
   """
   # Imported here: only these formats need TensorFlow.
   import tensorflow as tf
   from jax.experimental import jax2tf
   from vit_jax.data import image_ops
   polymorphic = batch_size is None
+  height, width = blank.image_hw(image_size)
   apply = jax2tf.convert(
       lambda p, x: model.apply({'params': p}, x, train=False), with_gradient=False,
-      polymorphic_shapes=[None, f'(b, {image_size}, {image_size}, 3)' if polymorphic else None],
+      polymorphic_shapes=[None, f'(b, {height}, {width}, 3)' if polymorphic else None],
       native_serialization_platforms=SERVING_PLATFORMS if polymorphic else ('cpu',))
   module = tf.Module()
   module.params = tf.nest.map_structure(tf.Variable, params)
@@ -192,7 +203,7 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
     images = image_ops.resize(tf.cast(images, tf.float32), image_size)
     return {'logits': apply(module.params, image_ops.to_unit_range(images))}
 
-  shape = [None, None, None, 3] if polymorphic else [batch_size, image_size, image_size, 3]
+  shape = [None, None, None, 3] if polymorphic else [batch_size, height, width, 3]
   module.serving_default = logits.get_concrete_function(
       tf.TensorSpec(shape, tf.uint8, name='images'))
   module.serving_float = logits.get_concrete_function(
@@ -200,7 +211,8 @@ def serving_module(model, params, image_size: int, batch_size: Optional[int] = N
   return module
 
 
-def write_saved_model(model, params, image_size: int, out: str, labels: list[str]) -> None:
+def write_saved_model(model, params, image_size: blank.ImageSize, out: str,
+                      labels: list[str]) -> None:
   del labels
   import tensorflow as tf
   module = serving_module(model, params, image_size)
@@ -208,7 +220,7 @@ def write_saved_model(model, params, image_size: int, out: str, labels: list[str
                                                'serving_float': module.serving_float})
 
 
-def write_tflite(model, params, image_size: int, out: str, labels: list[str]) -> None:
+def write_tflite(model, params, image_size: blank.ImageSize, out: str, labels: list[str]) -> None:
   """A TFLite flatbuffer of the uint8 serving function at batch size 1, TFLite's own ops only."""
   del labels
   import tensorflow as tf
@@ -218,12 +230,13 @@ def write_tflite(model, params, image_size: int, out: str, labels: list[str]) ->
     f.write(converter.convert())
 
 
-def how_to_load(model, image_size: int, format_name: str, out: str) -> str:
+def how_to_load(model, image_size: blank.ImageSize, format_name: str, out: str) -> str:
   """One line on loading the export at `out`."""
   if format_name == 'hf':
     return f'load it with ViTForImageClassification.from_pretrained({out!r})'
   if format_name == 'tflite':
-    return (f'run it with the TFLite interpreter: images=(1, {image_size}, {image_size}, 3) '
+    height, width = blank.image_hw(image_size)
+    return (f'run it with the TFLite interpreter: images=(1, {height}, {width}, 3) '
             f'uint8 -> logits (1, {model.num_classes})')
   if format_name == 'saved_model':
     return (f'serve tf.saved_model.load({out!r}).signatures["serving_default"] (uint8) or '
@@ -254,7 +267,7 @@ def default_out(checkpoint_path: str, format_name: str) -> str:
   return base + suffixes.get(format_name, f'_{format_name}')
 
 
-def export(model, params, image_size: int, format_name: str, out: str,
+def export(model, params, image_size: blank.ImageSize, format_name: str, out: str,
            labels: list[str]) -> None:
   """Writes `out` in a temporary directory beside it, and renames it there once complete; a
   full disk is an OSError of one line, and leaves nothing behind."""
@@ -298,13 +311,14 @@ def main(argv: Optional[list[str]] = None) -> int:
       raise ValueError(f'--labels goes into Hugging Face\'s config.json only; --format '
                        f'{args.format} has no place for class names: drop --labels.')
     model, params = runs.load_model(args.checkpoint, args.model)
-    image_size = runs.native_image_size(params, model)
+    image_size = runs.trained_image_size(args.checkpoint, params, model)
     labels = image_files.load_labels(args.labels, model.num_classes)
     export(model, params, image_size, args.format, out, labels)
   except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  print(f'Exported {args.checkpoint} ({image_size}x{image_size} px, {model.num_classes} classes) '
+  print(f'Exported {args.checkpoint} ({blank.size_text(image_size)} px, '
+        f'{model.num_classes} classes) '
         f'to {out}: {how_to_load(model, image_size, args.format, out)}.')
   return 0
 

@@ -23,7 +23,7 @@ from vit_jax.config import defaults
 from vit_jax.evaluators import linear_probe
 
 
-def dataset_config(args: argparse.Namespace, image_size: int) -> ml_collections.ConfigDict:
+def dataset_config(args: argparse.Namespace, image_size) -> ml_collections.ConfigDict:
   """The training defaults (the data source reads several) with the dataset, splits and
   preprocessing of the command line and the model's image size."""
   config = defaults.training_defaults()
@@ -88,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ValueError(f'--batch={args.batch} is not divisible by the {jax.device_count()} '
                        f'devices: make it a multiple of {jax.device_count()}.')
     model, params = runs.load_model(args.checkpoint, args.model)
-    image_size = runs.native_image_size(params, model)
+    image_size = runs.trained_image_size(args.checkpoint, params, model)
     mesh = linear_probe.default_mesh()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     results = linear_probe.evaluate(model, params, dataset_config(args, image_size), shots,

@@ -5,9 +5,12 @@
     python -m vit_jax.predict --checkpoint WORKDIR cat.jpg
     python -m vit_jax.predict --checkpoint augreg:B/16-384 --labels imagenet2012 cat.jpg
 
-Each image is resized (bilinear) to the model's resolution, the one the checkpoint's position
-embeddings imply (384 px for a file fine-tuned at 384) unless --image_size says otherwise, and its
-values are scaled to [-1, 1]: the preprocessing of the published checkpoints. The model is the
+Each image is resized (bilinear) to the model's resolution, the one its training run recorded
+or its position embeddings imply (384 px for a file fine-tuned at 384), and its values are
+scaled to [-1, 1]: the preprocessing of the published checkpoints. At another --image_size
+(384, or HEIGHTxWIDTH such as 224x320, multiples of the patch) the model interpolates its
+position embeddings to that grid as it runs (`VisionTransformer.any_size`, timm's
+dynamic_img_size). The model is the
 one whose spec vit_jax saved in the file (training runs, vit_jax.convert), and the class names
 those a training run saved with it; a published file needs
 --model, its registry name, unless given by its published name (`checkpoints.published`), and
@@ -23,16 +26,31 @@ import jax
 import numpy as np
 
 from vit_jax import console
-from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import runs
 from vit_jax.data import image_files
+from vit_jax.models import blank
 
 BATCH_SIZE = 16
 
 
-def resized_to(params: dict, model, image_size: int) -> dict:
-  """`params` with the position parameters resized for `image_size` pixels when needed."""
-  return finetune.fit_positions(params, model, image_size)
+def image_size_arg(text: str) -> int | tuple[int, int]:
+  """--image_size: '384' (square) or '224x320' (height x width), in pixels."""
+  try:
+    sides = tuple(int(side) for side in text.lower().split('x'))
+  except ValueError:
+    sides = ()
+  if len(sides) not in (1, 2) or min(sides) <= 0:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not an image size: give pixels, 384, or HEIGHTxWIDTH, 224x320')
+  return sides[0] if len(sides) == 1 else sides
+
+
+def at_size(model, trained_size, image_size):
+  """`model` to apply to images of `image_size`: itself at `trained_size`, else its `any_size`
+  (position embeddings interpolated as it runs)."""
+  if blank.image_hw(image_size) == blank.image_hw(trained_size):
+    return model
+  return model.any_size(trained_size)
 
 
 def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
@@ -54,8 +72,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser.add_argument('--labels', help="'imagenet2012' (tfds' WordNet IDs) or a file with one "
                       'class name per line; default: the class names a training run saved with '
                       'the model, else class indices')
-  parser.add_argument('--image_size', type=int,
-                      help="default: the resolution of the checkpoint's position embeddings")
+  parser.add_argument('--image_size', type=image_size_arg,
+                      help='pixels, 384, or HEIGHTxWIDTH, 224x320; default: the resolution the '
+                      "model was trained at (its run's record, or its position embeddings')")
   parser.add_argument('--top', type=int, default=5, help='classes printed per image')
   return parser.parse_args(argv)
 
@@ -64,8 +83,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
     model, params = runs.load_model(args.checkpoint, args.model)
-    image_size = args.image_size or runs.native_image_size(params, model)
-    params = resized_to(params, model, image_size)
+    trained_size = runs.trained_image_size(args.checkpoint, params, model)
+    image_size = args.image_size or trained_size
+    model = at_size(model, trained_size, image_size)
     labels = image_files.load_labels(args.labels, model.num_classes,
                          runs.saved_label_names(args.checkpoint))
   except (ValueError, FileNotFoundError) as e:
@@ -85,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     batch = paths[start:start + BATCH_SIZE]
     probabilities = np.asarray(classify(params, np.stack([images[p] for p in batch])))
     for path, p in zip(batch, probabilities):
-      print(f'{path} ({image_size}x{image_size} px):')
+      print(f'{path} ({blank.size_text(image_size)} px):')
       print('\n'.join(top_k(p, labels, args.top)))
   return 1 if failed else 0
 

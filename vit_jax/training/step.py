@@ -131,11 +131,11 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
 
 def abstract_batch(config, mesh: Mesh, evaluation: bool = False) -> Batch:
   """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
-  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch; for
-  `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
-  size, crop = (config.batch_eval if evaluation else config.batch), config.pp.crop
+  {'image': float32 (B, H, W, 3), 'label': int32 (B,)}, B = config.batch, (H, W) the sides of
+  config.pp.crop; for `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  size, (h, w) = (config.batch_eval if evaluation else config.batch), blank.image_hw(config.pp.crop)
   split = NamedSharding(mesh, P('data'))
-  batch = {'image': jax.ShapeDtypeStruct((size, crop, crop, 3), jnp.float32, sharding=split),
+  batch = {'image': jax.ShapeDtypeStruct((size, h, w, 3), jnp.float32, sharding=split),
            'label': jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split)}
   if evaluation:
     batch['mask'] = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split)

@@ -147,14 +147,16 @@ def write_model_after_failed_save(state: TrainState, model, config, workdir: str
 
 def write_model(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
            label_names: list[str]) -> None:
-  """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec
-  and the dataset's class names (`label_names`, in label order: what `predict` prints); with an
+  """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec,
+  the dataset's class names (`label_names`, in label order: what `predict` prints) and the
+  (height, width) the model was trained at (`runs.native_image_size` reads it); with an
   EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
-  spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names)}
+  spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
+          'image_size': list(blank.image_hw(config.pp.crop))}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -372,11 +374,14 @@ def check_finite(step: int, metrics: dict) -> None:
 
 
 def load_pretrained_params(config, model):
-  """Pretrained params from `config.pretrained_path`, fitted to `model` at `config.pp.crop`."""
+  """Pretrained params from `config.pretrained_path`, fitted to `model` at `config.pp.crop`: the
+  position embeddings to its grid of patches (square or not), the patch kernel to its patch
+  size (`finetune.load_pretrained`)."""
   fresh = init_params(config, model, config.pp.crop)
   try:
     return finetune.load_pretrained(pretrained_file(config), jax.device_get(fresh),
                                       model, posemb_method=config.posemb_method,
+                                      grid=model.grid(config.pp.crop),
                                       keep_head=config.pretrained_keep_head)
   except (ValueError, KeyError) as e:
     raise ConfigError(f'config.pretrained_path={config.pretrained_path!r} does not fit '
