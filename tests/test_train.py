@@ -24,6 +24,7 @@ from vit_jax.models import registry
 from vit_jax.training import step as train_step
 from vit_jax.training import preemption
 from vit_jax.training import resume
+from vit_jax.training import state_checkpoints
 from vit_jax.training import trainer
 
 
@@ -400,6 +401,17 @@ def test_resume_with_another_model_or_batch_names_the_fields_and_keeps_config_js
   assert 'batch (saved 64, now 32), model.transformer.num_layers (saved 1, now 2)' in message
   assert 'start afresh with another --workdir' in message
   assert open(os.path.join(workdir, 'config.json')).read() == saved_config
+
+
+def test_a_save_left_unfinished_by_a_killed_run_is_gone_once_the_checkpoints_open(tmp_path):
+  unfinished = tmp_path / 'checkpoints' / '7.orbax-checkpoint-tmp-1796304514'
+  (unfinished / 'state').mkdir(parents=True)
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path), keep=2)
+  try:
+    assert not unfinished.exists()  # At once: nothing is left to a thread that may outlive exit.
+    assert checkpoints.latest_step() is None
+  finally:
+    checkpoints.close()
 
 
 def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tmp_path,

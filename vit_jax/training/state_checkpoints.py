@@ -74,6 +74,8 @@ class _SaveErrorCatcher(logging.Filter):
 
 # The loggers Orbax's errors reach: its own (absl's) and asyncio's (tasks that failed).
 _ORBAX_LOGGERS = ('absl', 'asyncio')
+# How Orbax names a save before it completes: STEP.orbax-checkpoint-tmp, with a suffix or not.
+UNFINISHED_MARK = '.orbax-checkpoint-tmp'
 
 
 class Checkpoints:
@@ -88,13 +90,13 @@ class Checkpoints:
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.keep = keep or None
+    self._remove_unfinished_saves()
     # The items' handlers named up front, so that the manager reads their metadata from the
     # step's folder (`has_ema`) before any save or restore has registered them.
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers={'state': ocp.StandardCheckpointHandler(),
                                        'data': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(
-            create=True, cleanup_tmp_directories=True))  # Half-written saves of a killed run go.
+        options=ocp.CheckpointManagerOptions(create=True))
     self._pending = None  # The step of the save not yet confirmed.
     # The step whose save failed, if one did: its abandoned tasks may log and write until exit.
     self._failed = None
@@ -175,6 +177,18 @@ class Checkpoints:
     for name in os.listdir(self.directory):
       if name.startswith(f'{step}.') and jax.process_index() == 0:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  def _remove_unfinished_saves(self) -> None:
+    """Removes the half-written saves of a run that was killed (process 0), before the manager
+    opens the folder. Orbax's own cleanup (cleanup_tmp_directories) runs in a thread that its
+    close() does not wait for: a run that stops at once, on a config error, exited while that
+    thread still ran, and its failure printed a traceback."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if UNFINISHED_MARK in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        logging.info('Removed %s, a save left unfinished by a run that was stopped.', name)
 
   def _close_manager(self) -> None:
     """Closes the Orbax manager; after a failed save, its error (raised again by every
