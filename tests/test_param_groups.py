@@ -72,6 +72,26 @@ def test_frozen_params_stay_bit_identical_and_have_no_optimiser_state(optimizer,
       moments * sum(final[name].size for name in trainable))
 
 
+def step_flops(config) -> float:
+  """XLA's count of the FLOPs of the tiny model's compiled training step, batch 8 at 28 px."""
+  model = registry.get_model(config.model, num_classes=10)
+  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  optimizer = train_step.make_optimizer(config)
+  state, shardings = train_step.create_train_state(config, model, optimizer, mesh, 28)
+  step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
+  batch = {'image': jax.ShapeDtypeStruct((8, 28, 28, 3), jnp.float32),
+           'label': jax.ShapeDtypeStruct((8,), jnp.int32)}
+  return step.lower(state, batch).compile().cost_analysis()['flops']
+
+
+def test_a_frozen_backbone_is_left_out_of_backpropagation():
+  # Backpropagation costs about twice the forward pass: a linear probe's step, which only
+  # differentiates the head, needs about a third of the full step's FLOPs.
+  full = step_flops(helpers.tiny_config())
+  probe = step_flops(helpers.tiny_config(frozen='^(?!head/)'))
+  assert probe < 0.45 * full, (probe, full)
+
+
 def test_layer_decay_multipliers_match_hand_computed_ones():
   # d = 0.5, L = 2: embeddings d^3, block 0 d^2, block 1 d, final norm and head 1.
   expected = {'embeddings': 0.125, 'Transformer/encoderblock_0': 0.25,

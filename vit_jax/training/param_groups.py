@@ -177,8 +177,10 @@ def transform(inner: optax.GradientTransformation, config) -> optax.GradientTran
 
 
 def stop_frozen_gradients(params, config):
-  """`params` with jax.lax.stop_gradient on config.frozen's, so that backpropagation skips what
-  only they need (for a linear probe, the whole backbone); `params` itself if none is frozen."""
+  """`params` with jax.lax.stop_gradient on config.frozen's; `params` itself if none is frozen.
+  Applied inside the function that is differentiated (training.step's loss), backpropagation
+  then skips what only they need (for a linear probe, the whole backbone); applied to its
+  argument instead, it changes nothing."""
   if not config.get('frozen'):
     return params
   labels = frozen_labels(params, config.frozen, config.model.transformer.num_layers)

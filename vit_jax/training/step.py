@@ -153,7 +153,12 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
   """update(state, batch) -> (state, metrics): forward, backward, optimiser, and the EMA of the
   params (`ema_update` with config.ema_decay) where the state holds one; not yet jitted.
   The loss is that of config.objective's task (vit_jax.tasks)."""
-  loss_fn = tasks.for_config(config).train_loss(model, config)
+  task_loss = tasks.for_config(config).train_loss(model, config)
+
+  def loss_fn(params, batch, rng):
+    # The frozen parameters stopped inside the differentiated function, so that backpropagation
+    # leaves out what only they need (for a linear probe, the whole backbone).
+    return task_loss(param_groups.stop_frozen_gradients(params, config), batch, rng)
 
   def loss_and_grads(params, batch, rng):
     if config.accum_steps == 1:
@@ -175,8 +180,7 @@ def make_train_step(model, optimizer: Optimizer, config) -> Callable[[TrainState
     rng = jax.random.fold_in(state.rng, state.step)
     if config.mixup.p:  # A key no micro-batch's dropout takes.
       batch = mixup(jax.random.fold_in(rng, _MIXUP), batch, config.mixup.p, model.num_classes)
-    (loss, objective_metrics), grads = loss_and_grads(
-        param_groups.stop_frozen_gradients(state.params, config), batch, rng)
+    (loss, objective_metrics), grads = loss_and_grads(state.params, batch, rng)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
