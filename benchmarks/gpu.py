@@ -17,6 +17,7 @@ import time
 
 import jax
 
+from vit_jax import hardware
 from vit_jax.models import registry
 from vit_jax.tools import inference_time
 
@@ -134,6 +135,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv=None):
+  hardware.skip_absent_tpu()  # No libtpu start-up (and its warnings) on a host without TPUs.
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default='gpu_benchmark.jsonl', help='JSON-lines file to write.')
   parser.add_argument('--tiny', action='store_true',

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from PIL import Image
 
+from vit_jax import hardware
 from vit_jax.data import pipeline
 from vit_jax.data import sources
 from vit_jax.models import registry
@@ -89,6 +90,7 @@ def train_step_images_per_second(model_name: str, crop: int, batch: int, steps: 
 
 
 def main():
+  hardware.skip_absent_tpu()  # No libtpu start-up (and its warnings) on a host without TPUs.
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--crop', type=int, default=224)
   parser.add_argument('--batch', type=int, default=32, help='Pipeline batch.')

@@ -19,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from vit_jax import hardware
 from vit_jax.config import defaults
 from vit_jax.models import registry
 from vit_jax.training import step as train_step
@@ -80,6 +81,7 @@ def parse_models(text: str) -> list[tuple[str, int]]:
 
 
 def main():
+  hardware.skip_absent_tpu()  # No libtpu start-up (and its warnings) on a host without TPUs.
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--models', default='ViT-B_16:32,ViT-L_16:32,ViT-H_14:32',
                       help='Comma-separated NAME[:BATCH] (batch 32 by default).')

@@ -74,6 +74,7 @@ def build(config, image_size: int, num_classes: int):
 
 
 def main():
+  hardware.skip_absent_tpu()  # No libtpu start-up (and its warnings) on a host without TPUs.
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', default='ViT-S_16')
   parser.add_argument('--batch', type=int, default=8)
