@@ -49,8 +49,8 @@ class AddPositionEmbs(nn.Module):
           f'The image gives {x.shape[1]} tokens but the position embeddings '
           f'(Transformer/posembed_input/pos_embedding) have shape {found}, '
           f'not {expected}. Resize the images to the resolution the model was built for, '
-          'resize the position embeddings (vit_jax.checkpoint.load_pretrained does it), or '
-          'apply the model with dynamic_img_size=True.')
+          'resize the position embeddings (vit_jax.checkpoints.finetune.load_pretrained does '
+          'it), or apply the model with dynamic_img_size=True.')
     posemb = self.param('pos_embedding', with_axes(self.posemb_init, None, 'seq', 'embed'),
                         found)
     if resize:

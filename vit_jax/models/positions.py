@@ -109,8 +109,8 @@ def learned_table(module: nn.Module, name: str, shape: tuple[int, ...], *axes,
       raise ValueError(
           f'The image gives position tables of shape {tuple(shape)} but {name} has shape '
           f'{found}. Resize the images to the resolution the model was built for, resize the '
-          'position embeddings (vit_jax.checkpoint.load_pretrained does it), or apply the model '
-          'with dynamic_img_size=True.')
+          'position embeddings (vit_jax.checkpoints.finetune.load_pretrained does it), or apply '
+          'the model with dynamic_img_size=True.')
   return module.param(name, with_axes(_INIT, *axes), shape)
 
 

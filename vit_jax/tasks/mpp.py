@@ -17,8 +17,8 @@ content. From the encoder output of each corrupted patch the head `mpp_head` pre
 
 Labels are not used. The two extra parameters (PARAM_PREFIX names, the task's
 `extra_param_prefixes`) sit beside the published layout, which is otherwise unchanged;
-vit_jax.checkpoint.load_pretrained drops them when a supervised model is fine-tuned from such a
-run. Models with a ResNet stem are refused: the stem's
+vit_jax.checkpoints.finetune.load_pretrained drops them when a supervised model is fine-tuned
+from such a run. Models with a ResNet stem are refused: the stem's
 receptive fields cross patch borders, so the neighbours of a masked patch would show its pixels.
 """
 import math

@@ -5,7 +5,7 @@
     python -m vit_jax.inference_time --model ViT-B_16 --batch 64 --dtype bfloat16   # on a GPU
 
 Without --train it times the forward pass (`train=False`) of a batch of random images; with it,
-one update step of vit_jax.train_step (forward, backward, optimiser, state donated), as training
+one update step of vit_jax.training.step (forward, backward, optimiser, state donated), as training
 jits it, counted as 3x the
 forward FLOPs. FLOPs per image are counted from the model's shapes (vit_jax.models.forward_flops),
 the same on every backend.
@@ -97,7 +97,7 @@ def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
 
 
 def train_runner(config, model, image_size: int, devices) -> tuple[Runner, float]:
-  """(a runner of vit_jax.train_step's update step on `config.batch` images, its compile
+  """(a runner of vit_jax.training.step's update step on `config.batch` images, its compile
   seconds).
 
   The step is jitted as the training loop jits it (`train_step.jit_train_step`): state and
