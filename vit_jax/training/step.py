@@ -75,7 +75,7 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
 
   Args:
     rng: PRNG key of this step's mixup.
-    batch: {'image': (B, H, W, C), 'label': int (B,)}.
+    batch: {'image': (B, H, W, C), 'label': int (B,) or multi-hot (B, num_classes)}.
     alpha: Beta parameter, > 0.
     num_classes: length of the soft targets.
   Returns:
@@ -85,7 +85,8 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
   ratio = jax.random.beta(rng, alpha, alpha)
   ratio = jnp.maximum(ratio, 1 - ratio)
   mix = lambda x: ratio * x + (1 - ratio) * jnp.roll(x, 1, axis=0)
-  return {'image': mix(batch['image']), 'label': mix(jax.nn.one_hot(batch['label'], num_classes))}
+  return {'image': mix(batch['image']),
+          'label': mix(tasks.supervised.targets_of(batch['label'], num_classes))}
 def ema_update(ema: Any, params: Any, decay: float) -> Any:
   """One step of the exponential moving average of the weights: decay * ema + (1 - decay) *
   params, leaf by leaf."""
