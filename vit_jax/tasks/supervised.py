@@ -65,8 +65,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
 
 def head_bias_init(loss: str, num_classes: int) -> float:
   """The initial bias of the head's logits: -log(C) under the sigmoid loss, as BiT and
-  big_vision start it, so that each class starts at a probability of about 1/C (not 1/2, which
-  would spend the first steps pushing C - 1 negatives down); 0 under softmax."""
+  big_vision start it, so that each class starts at odds of 1 : C, a probability of 1/(C + 1),
+  near the share of images a class holds (not 1/2, which would spend the first steps pushing
+  the C - 1 negatives of each image down); 0 under softmax."""
   return -math.log(num_classes) if loss == 'sigmoid_xent' else 0.0
 
 

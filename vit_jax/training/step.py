@@ -130,14 +130,17 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed), params), shardings
 
 
-def abstract_batch(config, mesh: Mesh, evaluation: bool = False) -> Batch:
+def abstract_batch(config, mesh: Mesh, evaluation: bool = False, multi_hot: int = 0) -> Batch:
   """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
-  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch; for
-  `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch, or with
+  `multi_hot` C > 0 (multi-label data of C classes) 'label' float32 (B, C); for `evaluation`,
+  B = config.batch_eval and with 'mask': float32 (B,)."""
   size, crop = (config.batch_eval if evaluation else config.batch), config.pp.crop
   split = NamedSharding(mesh, P('data'))
+  label = (jax.ShapeDtypeStruct((size, multi_hot), jnp.float32, sharding=split) if multi_hot
+           else jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split))
   batch = {'image': jax.ShapeDtypeStruct((size, crop, crop, 3), jnp.float32, sharding=split),
-           'label': jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split)}
+           'label': label}
   if evaluation:
     batch['mask'] = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split)
   return batch

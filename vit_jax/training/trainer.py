@@ -93,7 +93,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                mesh.devices.flat[0].platform)
   limit, where = fit.device_memory_limit(mesh.local_devices[0])
   if config.accum_steps == 'auto':
-    config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
+    config = fit.fitted_config(config, mesh, info.num_classes, limit, where, info.multi_label)
     logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
                  config.accum_steps)
   optimizer = make_optimizer(config)
@@ -115,7 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       resume.write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
-                                checkpoints, evals)
+                                checkpoints, evals, info.multi_label)
   except CheckpointSaveError as e:
     if e.final_state is None:
       raise
@@ -170,9 +170,9 @@ def write_model(state: TrainState, model, config: ml_collections.ConfigDict, wor
 
 
 def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints,
-          evals: list[evaluators.Evaluator]):
-  """Compiles the steps and runs them from `state.step` on, with the evaluators `evals`;
-  returns the last state and metrics.
+          evals: list[evaluators.Evaluator], multi_label: bool = False):
+  """Compiles the steps (for multi-hot labels of `multi_label` data) and runs them from
+  `state.step` on, with the evaluators `evals`; returns the last state and metrics.
 
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
@@ -193,7 +193,8 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
       return state, stop_evaluation(e, int(state.step), final=True)
     finally:
       watcher.close()
-  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
+  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state,
+                                      multi_label)
   if int(state.step) == 0:
     writer.write_hparams(resume.flatten_config(config))
   flops_per_image = 3 * flops.gflops_per_image(model, config.pp.crop) * 1e9
