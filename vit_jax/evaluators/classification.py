@@ -31,11 +31,11 @@ def added(totals, sums):
 
 
 def unmasked_rows(examples: dict[str, jax.Array]) -> tuple[np.ndarray, np.ndarray]:
-  """(scores (n, C), labels (n, C)) on the host of the unmasked examples of a batch's
-  supervised.EXAMPLES, gathered from every process."""
+  """(float32 scores (n, C), bool labels (n, C)) on the host of the unmasked examples of a
+  batch's supervised.EXAMPLES, gathered from every process."""
   examples = multihost_utils.process_allgather(examples, tiled=True)
   keep = examples['mask'] > 0
-  return examples['scores'][keep], examples['labels'][keep]
+  return examples['scores'][keep], examples['labels'][keep] > 0
 
 
 def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:

@@ -116,11 +116,22 @@ def make_eval_step(model: nn.Module, loss: str = 'softmax_xent') -> task.EvalSte
   return eval_step
 
 
+CLASS_CHUNK = 256  # Classes ranked at once: bounds the memory of `average_precisions`.
+
+
 def average_precisions(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
   """float64 (C,): the average precision of each class, ranking the N examples by scores (N, C)
   against multi-hot labels (N, C): the mean, over the class's positives, of the precision among
   the examples scored at least as high (examples of equal score share one threshold, as
-  scikit-learn's average_precision_score ranks them); NaN for a class without positives."""
+  scikit-learn's average_precision_score ranks them); NaN for a class without positives.
+  Ranks CLASS_CHUNK classes at a time (about 40 bytes per example and class of a chunk)."""
+  return np.concatenate([np.zeros(0)] + [
+      _average_precisions(scores[:, i:i + CLASS_CHUNK], labels[:, i:i + CLASS_CHUNK])
+      for i in range(0, scores.shape[1], CLASS_CHUNK)])
+
+
+def _average_precisions(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """`average_precisions` of all the classes of scores and labels (N, C) at once."""
   order = np.argsort(-scores, axis=0, kind='stable')
   ranked = np.take_along_axis(scores, order, 0)
   hits = np.take_along_axis(labels > 0, order, 0)
@@ -132,9 +143,8 @@ def average_precisions(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
   last = np.where(is_last, np.arange(n)[:, None], n)
   last = np.minimum.accumulate(last[::-1], axis=0)[::-1]
   precision = np.take_along_axis(precision, last, 0)
-  positives = hits.sum(0)
   with np.errstate(invalid='ignore', divide='ignore'):
-    return np.sum(precision * hits, axis=0) / positives
+    return np.sum(precision * hits, axis=0) / hits.sum(0)
 
 
 def mean_average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
