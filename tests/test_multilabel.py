@@ -26,13 +26,16 @@ from helpers import tiny_vit
 from helpers import xla_flags
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
 from vit_jax.config import checks
 from vit_jax.config import command_line
+from vit_jax.data import image_files
 from vit_jax.data import pipeline
 from vit_jax.data import sources
 from vit_jax.models import blank
 from vit_jax.tasks import supervised
 from vit_jax.training import dataset_checks
+from vit_jax.tools import predict
 from vit_jax.training import setup
 from vit_jax.errors import ConfigError
 
@@ -202,7 +205,7 @@ def test_the_augreg_imagenet21k_presets_train_with_the_sigmoid_loss():
   assert load('B/16,i1k').loss == 'softmax_xent'
 
 
-def test_a_run_on_a_multi_label_folder_reports_map_and_precision_at_1(tmp_path):
+def test_a_run_on_a_multi_label_folder_reports_map_and_precision_at_1(tmp_path, capsys):
   folder = build_multilabel_folder.write_folder(str(tmp_path / 'scenes'),
                                                 {'train': 48, 'test': 12})
   command = [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
@@ -217,3 +220,12 @@ def test_a_run_on_a_multi_label_folder_reports_map_and_precision_at_1(tmp_path):
   assert re.search(r'Done: test_loss [\d.]+, test_mAP [\d.]+, test_precision_at_1 [\d.]+', log), log
   assert re.search(r'Few-shot evaluation skips .*scenes: its images are multi-label', log), log
   assert 'accuracy' not in log
+
+  # predict prints each class's own sigmoid probability for the run's model.
+  image = os.path.join(folder, 'test', '0.png')
+  assert predict.main(['--checkpoint', str(tmp_path / 'run'), '--top=10', image]) == 0
+  printed = [float(p) for p in re.findall(r'([\d.]+)%', capsys.readouterr().out)]
+  model, params = runs.load_model(str(tmp_path / 'run'))
+  logits = model.apply({'params': params}, image_files.load_image(image, 28)[None], train=False)
+  np.testing.assert_allclose(printed, sorted(100 / (1 + np.exp(-logits[0])), reverse=True),
+                             atol=0.006)

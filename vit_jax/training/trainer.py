@@ -148,13 +148,15 @@ def write_model_after_failed_save(state: TrainState, model, config, workdir: str
 def write_model(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
            label_names: list[str]) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec
-  and the dataset's class names (`label_names`, in label order: what `predict` prints); with an
+  the dataset's class names (`label_names`, in label order: what `predict` prints) and
+  config.loss (`loss`: how `predict` turns logits into probabilities); with an
   EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
-  spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names)}
+  spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
+          'loss': config.loss}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
