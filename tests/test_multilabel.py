@@ -192,6 +192,9 @@ def test_a_tfds_sequence_of_class_labels_gives_multi_hot_batches(tmp_path):
   assert rows == sorted(2 * [(1, 0, 0), (0, 1, 1), (0, 0, 0), (1, 1, 1)])
   eval_batch = next(pipeline.eval_batches(config))
   assert eval_batch['label'].dtype == np.float32 and eval_batch['label'].shape == (4, 3)
+  # The labels alone, as few-shot evaluation reads them: one row of each label set.
+  assert sorted(map(tuple, sources.get_source(config).labels('test').tolist())) == sorted(
+      [(1, 0, 0), (0, 1, 1), (0, 0, 0), (1, 1, 1)])
 
 
 def test_the_loss_is_checked_before_anything_compiles():

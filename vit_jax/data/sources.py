@@ -23,11 +23,11 @@ from vit_jax.data import tfds_source
 
 
 EMBEDDED_DATASET = 'fashion_mnist_embedded'
-# In an image folder DIR: the labels of a multi-label folder, columns `file` (a path relative to
-# DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
-LABELS_CSV = 'labels.csv'
 EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'fashion_mnist_embedded.npz')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
+# In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
+# DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
+LABELS_CSV = 'labels.csv'
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
@@ -155,10 +155,9 @@ def read_labels_csv(directory: str) -> dict[str, list[str]]:
 
 
 def _csv_split(directory: str, rows: dict[str, list[str]], split: str) -> dict[str, list[str]]:
-  """The rows of `rows` (read_labels_csv) whose file is in `directory`/`split`/; a ValueError
-  where there are none, or where a file is missing."""
-  rows = {file: names for file, names in rows.items()
-          if file.split(os.sep)[0] == split}
+  """The rows of `rows` (read_labels_csv) whose file is in `directory`/`split`/; a
+  FileNotFoundError where there are none, or where a file is missing."""
+  rows = {file: names for file, names in rows.items() if file.split(os.sep)[0] == split}
   if not rows:
     raise FileNotFoundError(f'{os.path.join(directory, LABELS_CSV)} lists no file of split '
                             f'{split!r}: list the images of {os.path.join(directory, split)}/ '

@@ -43,14 +43,14 @@ class TfdsSource:
     self._label_key = next((key for key in ('label', 'labels') if key in features), None)
     label = features[self._label_key] if self._label_key else None
     self.multi_label = isinstance(label, tfds.features.Sequence)
-    if 'image' not in features or not isinstance(label.feature if self.multi_label else label,
-                                                 tfds.features.ClassLabel):
+    class_label = label.feature if self.multi_label else label
+    if 'image' not in features or not isinstance(class_label, tfds.features.ClassLabel):
       raise ValueError(f'tfds dataset {name!r} has features {list(features)}; the input pipeline '
                        "needs an image classification dataset with features 'image' and 'label' "
                        "(a ClassLabel, or for multi-label data a Sequence of ClassLabel, as "
                        "'label' or 'labels').")
     self.name = name
-    self.label_names = list((label.feature if self.multi_label else label).names)
+    self.label_names = list(class_label.names)
     self._shuffle_buffer = shuffle_buffer
 
   def _prepare(self, manual_dir: Optional[str]):
