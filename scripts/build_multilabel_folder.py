@@ -16,7 +16,9 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from vit_jax.data import sources
+from vit_jax import console
+# vit_jax.data.sources (it imports TensorFlow) is imported where it is used: after the console
+# has quieted TensorFlow's start-up lines.
 
 SCENES = {'train': 5000, 'test': 1000}  # Scenes per split; each takes 2 images on average.
 CELL = 28  # Pixels: one Fashion-MNIST image.
@@ -44,6 +46,7 @@ def scenes(images: np.ndarray, count: int, seed: int) -> Iterator[tuple[np.ndarr
 def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> str:
   """Writes `counts[split]` scenes as root/<split>/<i>.png and their classes into
   root/labels.csv; returns `root`."""
+  from vit_jax.data import sources
   rows = ['file,labels']
   with np.load(sources.EMBEDDED_PATH) as data:
     names = [str(name).replace(' ', '_') for name in data['label_names']]
@@ -59,16 +62,17 @@ def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> s
   return root
 
 
-def main():
+def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('folder', help='Where to write the image folder.')
   for split, count in SCENES.items():
     parser.add_argument(f'--{split}', type=int, default=count, help=f'Scenes of {split}.')
   args = parser.parse_args()
   write_folder(args.folder, {split: getattr(args, split) for split in SCENES})
-  print(f'Wrote {args.folder}: {args.train} train and {args.test} test scenes, '
-        f'{os.path.join(args.folder, sources.LABELS_CSV)}.')
+  print(f'Wrote {args.folder}: {args.train} train and {args.test} test scenes, and their '
+        'labels.csv.')
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  console.run(main)
