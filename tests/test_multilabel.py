@@ -37,6 +37,7 @@ from vit_jax.tasks import supervised
 from vit_jax.training import dataset_checks
 from vit_jax.tools import predict
 from vit_jax.training import setup
+from vit_jax.training import step
 from vit_jax.errors import ConfigError
 
 # scripts/build_multilabel_folder.py: scenes of 1 to 3 embedded images, a labels.csv.
@@ -90,6 +91,15 @@ def test_softmax_spreads_a_multi_hot_target_over_the_images_labels():
   logits = jnp.array([[0.0, 0.0, math.log(2)]])
   loss = supervised.cross_entropy(logits, jnp.array([[1.0, 0.0, 1.0]]))
   np.testing.assert_allclose(loss, [-(0.5 * math.log(1 / 4) + 0.5 * math.log(1 / 2))], rtol=1e-6)
+
+
+def test_mixup_mixes_multi_hot_rows_as_they_are():
+  batch = {'image': jnp.zeros((2, 4, 4, 3)), 'label': jnp.array([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])}
+  mixed = step.mixup(jax.random.key(0), batch, 0.5, 3)['label']
+  ratio = float(mixed[0, 0])  # Row 0 is ratio x row 0 + (1 - ratio) x row 1.
+  assert 0.5 <= ratio <= 1
+  np.testing.assert_allclose(mixed, [[ratio, 1 - ratio, ratio], [1 - ratio, ratio, 1 - ratio]],
+                             rtol=1e-6)
 
 
 def test_mean_average_precision_of_a_hand_worked_ranking():
