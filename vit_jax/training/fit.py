@@ -227,9 +227,9 @@ def step_memory(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int,
 def checked_train_step(config: ml_collections.ConfigDict, model, optimizer, mesh: Mesh,
                        shardings, state, multi_label: bool = False):
   """`jit_train_step` compiled for `state` and the batches of `config` (their labels multi-hot
-  for `multi_label` data), before the first step;
-  FitError (one line: need, limit, what would fit) where it does not fit the memory of this
-  process's devices of the mesh (`device_memory_limit`; only those report their memory)."""
+  for `multi_label` data), before the first step; FitError (one line: need, limit, what would
+  fit) where it does not fit the memory of this process's devices of the mesh
+  (`device_memory_limit`; only those report their memory)."""
   step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   compiled, refusal = compile_or_refusal(
       lambda: step.lower(state, train_step.abstract_batch(
