@@ -15,9 +15,13 @@ the released big_vision configs (configs/vit_i1k.py and vit_i21k.py, their RANDA
 MIXUP_DEF tables; the paper's 'heavy' is big_vision's 'strong'): Adam (b1 0.9, b2 0.999), batch
 4096, learning rate 1e-3 with 10k warmup steps and cosine decay, global-norm clip 1, weight decay
 0.1 (relative to the learning rate, as optax's adamw applies it: big_vision's absolute 1e-4),
-Inception crop and flip at 224 px, evaluation at 224 px from 256. Differences: big_vision trains
-with a sigmoid cross-entropy, here it is the softmax one (`cross_entropy`); dropout here acts on
-the blocks' MLP outputs and embeddings as in the original ViT code.
+Inception crop and flip at 224 px, evaluation at 224 px from 256. On ImageNet-21k the loss is
+big_vision's sigmoid cross-entropy (`loss='sigmoid_xent'`, the head's bias starting at
+-log(21843) = -9.99, big_vision's -10): many of its images show several of its classes, and a
+copy with multi-hot labels (an image folder with a labels.csv) trains as multi-label and
+reports mAP. Differences: on ImageNet-1k the loss here is the softmax one (big_vision's is the
+sigmoid one there too, head bias -6.9: add --config.loss=sigmoid_xent for it); dropout here acts
+on the blocks' MLP outputs and embeddings as in the original ViT code.
 """
 import ml_collections
 
@@ -38,12 +42,12 @@ AUG_LEVELS = {
 DATA = {
     # ImageNet-1k: 1,281,167 training images, 1% held out as minival (as big_vision does).
     'i1k': dict(dataset='imagenet2012', train_split='train[:99%]', val_split='train[99%:]',
-                test_split='validation', images=1_281_167, reg=0.1),
+                test_split='validation', images=1_281_167, reg=0.1, loss='softmax_xent'),
     # ImageNet-21k, fall 2011 release: about 14.2M images of 21,843 classes. No public tfds
     # builder: point config.dataset at your copy (and its splits, e.g. 'train[:51200]' as the
     # held-out part, as big_vision does).
     'i21k': dict(dataset='imagenet21k', train_split='train', val_split=None, test_split='test',
-                 images=14_197_122, reg=0.0),
+                 images=14_197_122, reg=0.0, loss='sigmoid_xent'),
 }
 EPOCHS = 300
 BATCH = 4096
@@ -60,6 +64,7 @@ def get_config(arg: str = 'B/16,i1k,medium2') -> ml_collections.ConfigDict:
   config.dataset = preset['dataset']
   config.train_split, config.evals.val.split = preset['train_split'], preset['val_split']
   config.test_split = preset['test_split']
+  config.loss = preset['loss']
 
   config.pp.crop, config.pp.resize = 224, 256
   config.pp.inception_crop, config.pp.flip = True, True

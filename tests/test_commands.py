@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from helpers import PHOTOS
 from helpers import random_params
+from helpers import TESTS
 from helpers import TINY_CONFIG
 from helpers import tiny_config
 from vit_jax import cache
@@ -207,3 +208,16 @@ def test_inference_time_command(tmp_path, step):
   succeeded(vit_jax('inference_time', '--model', 'testing', '--batch', '4', '--image_size',
                     '16', '--rounds', '1', '--round_seconds', '0.2', *step, '--out', str(out)))
   assert json.loads(out.read_text())['images_per_second'] > 0
+
+
+def test_multilabel_folder_script(tmp_path):
+  """docs/training.md's script, shortened: a folder of scenes and its labels.csv (the run on
+  such a folder: tests/test_multilabel.py)."""
+  script = os.path.join(TESTS, '..', 'scripts', 'build_multilabel_folder.py')
+  output = succeeded(subprocess.run(
+      [sys.executable, script, 'fashion_scenes', '--train=64', '--test=16'], env=user_env(),
+      cwd=tmp_path, capture_output=True, text=True, timeout=300))
+  assert output == 'Wrote fashion_scenes: 64 train and 16 test scenes, and their labels.csv.\n'
+  assert len(os.listdir(tmp_path / 'fashion_scenes' / 'train')) == 64
+  with open(tmp_path / 'fashion_scenes' / 'labels.csv') as f:
+    assert f.readline() == 'file,labels\n' and len(f.readlines()) == 64 + 16

@@ -169,7 +169,19 @@ def saved_label_names(path_or_workdir) -> Optional[list[str]]:
   """The class names, in label order, that a training run saved in the model spec of its
   model.npz (under 'label_names'); None for files without them: the published files, converted
   weights, files of versions that did not save them."""
+  return saved_spec_field(path_or_workdir, 'label_names')
+
+
+def saved_loss(path_or_workdir) -> str:
+  """The config.loss a training run saved in the model spec of its model.npz (under 'loss'):
+  'sigmoid_xent' or 'softmax_xent'; 'softmax_xent' for files without it (the published
+  ImageNet-1k files, and files of versions that did not save it)."""
+  return saved_spec_field(path_or_workdir, 'loss') or 'softmax_xent'
+
+
+def saved_spec_field(path_or_workdir, field: str):
+  """`field` of the model spec of the file (or workdir's model.npz); None where it holds none."""
   if published.is_name(os.fspath(path_or_workdir)):
     return None  # The published files hold no spec.
   spec = npz.read_spec(model_path(path_or_workdir))
-  return None if spec is None else spec.get('label_names')
+  return None if spec is None else spec.get(field)

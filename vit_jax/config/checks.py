@@ -147,6 +147,7 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
   if error := randaug_error(config.pp.get('randaug')) or crop_error(config.pp.crop):
     return error
   for field, choices in (('optimizer', ('sgd', 'adamw')), ('decay_type', ('cosine', 'linear')),
+                         ('loss', tuple(tasks.supervised.LOSSES)),
                          ('dtype', ('float32', 'bfloat16')), ('sharding', sharding.STRATEGIES),
                          ('remat_policy', (None,) + encoder.REMAT_POLICIES),
                          ('attention', ('auto',) + attention.ATTENTION_KERNELS),

@@ -75,6 +75,9 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0
+  # 'softmax_xent' or 'sigmoid_xent' (vit_jax/tasks/supervised.py): the sigmoid one starts the
+  # head's bias at -log(num_classes); either takes multi-label data.
+  config.loss = 'softmax_xent'
   # Per-parameter learning rates and freezing (vit_jax/training/param_groups.py): (regex,
   # multiplier) pairs over '/'-joined parameter paths, first match wins; layer-wise decay; a
   # regex of the frozen.

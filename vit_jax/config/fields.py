@@ -82,6 +82,10 @@ FIELD_HELP = {
     'weight_decay': "AdamW's decoupled weight decay, on kernels.",
     'grad_clip_norm': 'Clip gradients to this global norm.',
     'label_smoothing': 'Label smoothing of the training loss.',
+    'loss': "Supervised loss: 'softmax_xent', or 'sigmoid_xent' (each class a yes/no, the "
+            'head bias starting at -log(num_classes) as in BiT and big_vision; for multi-label '
+            "data, e.g. ImageNet-21k). Softmax on multi-label data spreads each image's target "
+            'over its labels.',
     'lr_mults': "Learning-rate multipliers: (regex, multiplier) pairs over '/'-joined parameter "
                 "paths (blocks named 'Transformer/encoderblock_{i}/...', scanned or not), the "
                 "first re.search match winning, e.g. (('^head', 10.0),); others: 1.",

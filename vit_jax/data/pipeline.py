@@ -28,7 +28,8 @@ Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-st
 like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
 to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels
 int32 class indices (the loss takes them as they are, or one-hot via
-`jax.nn.one_hot(label, num_classes)`).
+`jax.nn.one_hot(label, num_classes)`), or for multi-label data (an image folder with a
+labels.csv, a tfds label that is a sequence) float32 multi-hot rows (num_classes,).
 """
 import collections
 import dataclasses
@@ -69,11 +70,13 @@ class DatasetInfo:
     label_names: name of each class, indexed by label.
     num_train: number of examples in `config.train_split`.
     num_test: number of examples in `config.test_split`.
+    multi_label: whether an image has any number of the classes (labels: multi-hot rows).
   """
   num_classes: int
   label_names: list[str]
   num_train: int
   num_test: int
+  multi_label: bool = False
 
 
 def get_dataset_info(config) -> DatasetInfo:
@@ -83,7 +86,7 @@ def get_dataset_info(config) -> DatasetInfo:
   source = sources.get_source(config)
   info = DatasetInfo(len(source.label_names), source.label_names,
                      source.num_examples(config.train_split),
-                     source.num_examples(config.test_split))
+                     source.num_examples(config.test_split), source.multi_label)
   source.check_decodable(config.test_split)
   return info
 
@@ -111,6 +114,11 @@ def _shard(source, split: str, process_index: int, process_count: int) -> shards
   return shard
 
 
+def _label(label: tf.Tensor, multi_label: bool) -> tf.Tensor:
+  """A record's label as batches hold it: int32 () class, or float32 (C,) multi-hot."""
+  return tf.cast(label, tf.float32 if multi_label else tf.int32)
+
+
 def _fixed_options() -> tf.data.Options:
   """tf.data without its autotuner: over an endless pipeline its model grows with every epoch,
   and tearing the iterator down at the end of a run then took up to a minute."""
@@ -124,8 +132,8 @@ def train_dataset(config, *, process_index: int, process_count: int,
   """This process's training batches from step `start_step` on, as an endless tf.data pipeline.
 
   Returns:
-    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,)}` with
-    b = config.batch // process_count.
+    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,) (multi-label:
+    float32 (b, C))}` with b = config.batch // process_count.
   """
   image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch', process_count)
@@ -150,7 +158,7 @@ def train_dataset(config, *, process_index: int, process_count: int,
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
     image = image_ops.preprocess_train(shard.decode(record['image']), key, config.pp)
-    return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
+    return {'image': image, 'label': _label(record['label'], source.multi_label)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(shards.as_written(epoch))
   examples = records.skip(offset).enumerate(start=first_position).filter(
@@ -163,8 +171,9 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   """This process's share of `config.test_split`, once, padded to a count shared by all processes.
 
   Returns:
-    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,),
-    'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask` is 1 for real
+    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,) (multi-label:
+    float32 (b, C)), 'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask`
+    is 1 for real
     examples and 0 for padding. Every process yields ceil(largest share / b) batches.
   """
   image_ops.check_pp(config.pp)
@@ -175,10 +184,11 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
 
   def preprocess(record):
     return {'image': image_ops.preprocess_eval(shard.decode(record['image']), config.pp),
-            'label': tf.cast(record['label'], tf.int32), 'mask': tf.constant(1.0)}
+            'label': _label(record['label'], source.multi_label), 'mask': tf.constant(1.0)}
 
+  no_label = tf.zeros([len(source.label_names)] if source.multi_label else [], tf.int64)
   padding = {'image': tf.zeros([*blank.image_hw(config.pp.crop), 3]),
-             'label': tf.constant(0), 'mask': tf.constant(0.0)}
+             'label': _label(no_label, source.multi_label), 'mask': tf.constant(0.0)}
   examples = shard.epoch(None).map(
       shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   examples = examples.concatenate(tf.data.Dataset.from_tensors(padding).repeat(

@@ -25,7 +25,8 @@ class Shard:
   Attributes:
     num_examples: number of examples in the share.
     epoch: `key -> tf.data.Dataset` of one pass over the share as records
-      `{'image': undecoded image, 'label': int64 ()}`; shuffled by the stateless key (int64 (2,))
+      `{'image': undecoded image, 'label': int64 () class, or int64 (C,) multi-hot of a
+      multi-label source}`; shuffled by the stateless key (int64 (2,))
       or, for `key=None`, in the stored order.
     decode: undecoded image -> uint8 (height, width, 3).
   """
@@ -68,15 +69,17 @@ class ArraySource:
   """A source with random access: every split is an array of items and an array of labels.
 
   Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
-  paths for image folders. The epoch order is a stateless permutation of the share.
+  paths for image folders. Labels are int class indices (N,), or for a `multi_label` source
+  multi-hot rows (N, C). The epoch order is a stateless permutation of the share.
   """
   random_access = True
 
   def __init__(self, name: str, label_names: list[str],
                load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
-               decode: Callable[[tf.Tensor], tf.Tensor]):
+               decode: Callable[[tf.Tensor], tf.Tensor], multi_label: bool = False):
     self.name = name
     self.label_names = label_names
+    self.multi_label = multi_label
     self._load_split = functools.cache(load_split)
     self._decode = decode
 
@@ -95,7 +98,7 @@ class ArraySource:
     return len(self.select(split)[1])
 
   def labels(self, split: str) -> np.ndarray:
-    """int64 (N,): the labels of `split` in stored order."""
+    """int64 (N,), or multi-hot (N, C): the labels of `split` in stored order."""
     return self.select(split)[1].astype(np.int64)
 
   def fingerprint(self, split: str) -> dict:

@@ -9,6 +9,7 @@ image folders) permute a share exactly; tfds shards are read in file order and s
 buffer. `pipeline.py` turns shards into preprocessed batches.
 """
 import collections
+import csv
 import functools
 import os
 from typing import Iterator, Optional
@@ -24,6 +25,9 @@ from vit_jax.data import tfds_source
 EMBEDDED_DATASET = 'fashion_mnist_embedded'
 EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'fashion_mnist_embedded.npz')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
+# In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
+# DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
+LABELS_CSV = 'labels.csv'
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
@@ -137,6 +141,56 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
   return np.array(paths)[order], np.array(labels, np.int64)[order]
 
 
+def read_labels_csv(directory: str) -> dict[str, list[str]]:
+  """{file: its class names} of `directory`/LABELS_CSV, files as written (relative to
+  `directory`); a ValueError naming the file where it lacks the columns `file` and `labels`."""
+  path = os.path.join(directory, LABELS_CSV)
+  with open(path, newline='', encoding='utf-8') as f:
+    reader = csv.DictReader(f)
+    if not {'file', 'labels'} <= set(reader.fieldnames or ()):
+      raise ValueError(f'{path} has the columns {reader.fieldnames}; it needs a header row '
+                       'naming the columns file and labels, e.g. "file,labels" then '
+                       '"train/0001.jpg,cat dog".')
+    return {os.path.normpath(row['file']): (row['labels'] or '').split() for row in reader}
+
+
+def _csv_split(directory: str, rows: dict[str, list[str]], split: str) -> dict[str, list[str]]:
+  """The rows of `rows` (read_labels_csv) whose file is in `directory`/`split`/; a
+  FileNotFoundError where there are none, or where a file is missing."""
+  rows = {file: names for file, names in rows.items() if file.split(os.sep)[0] == split}
+  if not rows:
+    raise FileNotFoundError(f'{os.path.join(directory, LABELS_CSV)} lists no file of split '
+                            f'{split!r}: list the images of {os.path.join(directory, split)}/ '
+                            f'as {split}/NAME.')
+  missing = [file for file in rows if not os.path.isfile(os.path.join(directory, file))]
+  if missing:
+    raise FileNotFoundError(f'{os.path.join(directory, LABELS_CSV)} lists {len(missing)} '
+                            f'file(s) that do not exist, e.g. {os.path.join(directory, missing[0])}'
+                            ': remove their rows or add the files.')
+  return rows
+
+
+def _list_csv_images(directory: str, rows: dict[str, list[str]], split: str,
+                     train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """Paths and multi-hot labels int64 (N, C) of the images LABELS_CSV lists in `split`, in a
+  fixed order."""
+  rows = _csv_split(directory, rows, split)
+  files = sorted(rows)
+  check_utf8_names(directory, files)
+  labels = np.zeros((len(files), len(train_classes)), np.int64)
+  index = {name: i for i, name in enumerate(train_classes)}
+  for row, file in enumerate(files):
+    for name in rows[file]:
+      if name not in index:
+        raise ValueError(f'{os.path.join(directory, LABELS_CSV)} labels {file} {name!r}, a class '
+                         'no image of the train split has: labels come from the train split, so '
+                         'label a train image with it or remove it here.')
+      labels[row, index[name]] = 1
+  order = np.random.default_rng(_FILE_ORDER_SEED).permutation(len(files))
+  paths = np.array([os.path.join(directory, file) for file in files])
+  return paths[order], labels[order]
+
+
 def _drop_undecodable(split_dir: str, paths: np.ndarray,
                       labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Removes the files that cannot be decoded, and logs how many and which."""
@@ -150,20 +204,29 @@ def _drop_undecodable(split_dir: str, paths: np.ndarray,
 
 
 class FolderSource(shards.ArraySource):
-  """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`; classes sorted by name."""
+  """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`, classes sorted by name; or,
+  where `directory`/LABELS_CSV exists, multi-label: the images it lists, each with its classes
+  (those of the train split's images, sorted by name), as multi-hot labels."""
 
   def __init__(self, directory: str, skip_bad_images: bool):
     self._skip_bad_images = skip_bad_images
-    train_classes = _class_dirs(os.path.join(directory, 'train'))
+    multi_label = os.path.isfile(os.path.join(directory, LABELS_CSV))
+    if multi_label:
+      rows = read_labels_csv(directory)
+      train_classes = sorted({name for names in _csv_split(directory, rows, 'train').values()
+                              for name in names})
+      list_images = lambda name: _list_csv_images(directory, rows, name, train_classes)
+    else:
+      train_classes = _class_dirs(os.path.join(directory, 'train'))
+      list_images = lambda name: _list_images(os.path.join(directory, name), train_classes)
 
     def load_split(name):
-      split_dir = os.path.join(directory, name)
-      paths, labels = _list_images(split_dir, train_classes)
+      paths, labels = list_images(name)
       if skip_bad_images:
-        paths, labels = _drop_undecodable(split_dir, paths, labels)
+        paths, labels = _drop_undecodable(os.path.join(directory, name), paths, labels)
       return paths, labels
 
-    super().__init__(directory, train_classes, load_split, decode_image_file)
+    super().__init__(directory, train_classes, load_split, decode_image_file, multi_label)
 
   def _item_bytes(self, items: np.ndarray) -> bytes:
     start = len(os.path.join(self.name, ''))  # The folder may move; its files are the data.

@@ -23,7 +23,9 @@ class UnknownDataset(ValueError):
 
 
 class TfdsSource:
-  """A tfds image classification dataset with features `image` and `label`.
+  """A tfds image classification dataset with features `image` and `label` (a ClassLabel), or
+  multi-label: `label` or `labels` a Sequence of ClassLabel (e.g. voc's `labels`), read as
+  multi-hot rows.
 
   Read sequentially: a process reads its own share (`tfds.even_splits`), shuffled with a buffer.
   """
@@ -38,11 +40,17 @@ class TfdsSource:
     if not self._builder.is_prepared():
       self._prepare(manual_dir)
     features = self._builder.info.features
-    if 'image' not in features or 'label' not in features:
+    self._label_key = next((key for key in ('label', 'labels') if key in features), None)
+    label = features[self._label_key] if self._label_key else None
+    self.multi_label = isinstance(label, tfds.features.Sequence)
+    class_label = label.feature if self.multi_label else label
+    if 'image' not in features or not isinstance(class_label, tfds.features.ClassLabel):
       raise ValueError(f'tfds dataset {name!r} has features {list(features)}; the input pipeline '
-                       "needs an image classification dataset with features 'image' and 'label'.")
+                       "needs an image classification dataset with features 'image' and 'label' "
+                       "(a ClassLabel, or for multi-label data a Sequence of ClassLabel, as "
+                       "'label' or 'labels').")
     self.name = name
-    self.label_names = list(features['label'].names)
+    self.label_names = list(class_label.names)
     self._shuffle_buffer = shuffle_buffer
 
   def _prepare(self, manual_dir: Optional[str]):
@@ -82,14 +90,24 @@ class TfdsSource:
       raise ValueError(f'Bad split {split!r} for tfds dataset {self.name!r} (splits: '
                        f'{list(self._builder.info.splits)}): {e}') from None
 
+  def label(self, example: dict[str, tf.Tensor]) -> tf.Tensor:
+    """The label of a tfds example: int64 (), or multi-hot int64 (C,) of a Sequence."""
+    label = example[self._label_key]
+    if not self.multi_label:
+      return label
+    one_hot = tf.one_hot(label, len(self.label_names), dtype=tf.int64)
+    return tf.minimum(tf.reduce_sum(one_hot, axis=0), 1)
+
   def labels(self, split: str) -> np.ndarray:
-    """int64 (N,): the labels of `split` in stored order, read without the images."""
+    """int64 (N,), or multi-hot (N, C): the labels of `split` in stored order, read without
+    the images."""
     self.num_examples(split)  # Validates the split string.
     records = self._builder.as_dataset(
         split=split, shuffle_files=False,
-        decoders=tfds.decode.PartialDecoding({'label': True}))
-    batches = records.map(shards.as_written(lambda example: example['label'])).batch(65536)
-    return np.concatenate([np.zeros(0, np.int64), *batches.as_numpy_iterator()]).astype(np.int64)
+        decoders=tfds.decode.PartialDecoding({self._label_key: True}))
+    batches = records.map(shards.as_written(self.label)).batch(65536)
+    empty = np.zeros((0, len(self.label_names)) if self.multi_label else 0, np.int64)
+    return np.concatenate([empty, *batches.as_numpy_iterator()]).astype(np.int64)
 
   def fingerprint(self, split: str) -> dict:
     """JSON: what the order of `split` depends on, {'version': the prepared dataset's,
@@ -109,7 +127,7 @@ class TfdsSource:
     records = self._builder.as_dataset(
         split=process_split, shuffle_files=False,
         decoders={'image': tfds.decode.SkipDecoding()}).map(shards.as_written(
-            lambda example: {'image': example['image'], 'label': example['label']}))
+            lambda example: {'image': example['image'], 'label': self.label(example)}))
 
     def epoch(key):
       if key is None:

@@ -1,14 +1,17 @@
 """The 'classification' evaluator: top-1 (and top-5) accuracy and loss of the model's head on a
-split, as NAME_accuracy, NAME_top5_accuracy, NAME_loss.
+split, as NAME_accuracy, NAME_top5_accuracy, NAME_loss; on multi-label data, mean average
+precision and precision at 1 instead, as NAME_mAP and NAME_precision_at_1.
 
 Its entry in config.evals: `split` (None: the entry is off), `every` (None: config.eval_every),
 and optionally `dataset`, `batch_eval` and `pp` (a dict of config.pp fields) where they differ
 from the run's.
 """
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from jax.sharding import Mesh
 import ml_collections
+import numpy as np
 
 from vit_jax import hardware
 from vit_jax.errors import ConfigError
@@ -27,23 +30,46 @@ def added(totals, sums):
   return jax.tree.map(jnp.add, totals, sums)
 
 
+def unmasked_rows(examples: dict[str, jax.Array]) -> tuple[np.ndarray, np.ndarray]:
+  """(float32 scores (n, C), bool labels (n, C)) on the host of the unmasked examples of a
+  batch's supervised.EXAMPLES, gathered from every process."""
+  examples = multihost_utils.process_allgather(examples, tiled=True)
+  keep = examples['mask'] > 0
+  return examples['scores'][keep], examples['labels'][keep] > 0
+
+
 def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
   """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
   as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
   {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
-  mpp.make_eval_step."""
+  mpp.make_eval_step. Where the step returns per-example arrays (supervised.EXAMPLES:
+  multi-label data), they are kept on the host, and {name}_mAP is the mean average precision
+  of all examples (supervised.mean_average_precision)."""
   from vit_jax.data import pipeline
-  totals, pacer = None, hardware.Pacer()
+  totals, examples, pacer = None, [], hardware.Pacer()
   for batch in pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
+    if supervised.EXAMPLES in sums:
+      examples.append(unmasked_rows(sums.pop(supervised.EXAMPLES)))
     totals = pacer.step(sums if totals is None else added(totals, sums))
   totals = jax.device_get(totals)
-  return {f'{name}_{EVAL_NAMES.get(key, key)}': float(total / totals['count'])
-          for key, total in totals.items() if key != 'count'}
+  metrics = {f'{name}_{EVAL_NAMES.get(key, key)}': float(total / totals['count'])
+             for key, total in totals.items() if key != 'count'}
+  if examples:
+    scores, labels = (np.concatenate(parts) for parts in zip(*examples))
+    metrics[f'{name}_mAP'] = supervised.mean_average_precision(scores, labels)
+  return metrics
 
 
 def evaluation_line(name: str, metrics: dict[str, float]) -> str:
-  """'NAME accuracy A (top-5 B), EMA C, NAME loss L', or for other metrics 'NAME metric V, ...'."""
+  """'NAME accuracy A (top-5 B), EMA C, NAME loss L'; on multi-label data 'NAME mAP M,
+  precision@1 P, EMA mAP E, NAME loss L'; or for other metrics 'NAME metric V, ...'."""
+  if f'{name}_mAP' in metrics:
+    ema = metrics.get(f'{name}_mAP_ema')
+    return (f'{name} mAP {metrics[f"{name}_mAP"]:.4f}, precision@1 '
+            f'{metrics[f"{name}_precision_at_1"]:.4f}'
+            f'{"" if ema is None else f", EMA mAP {ema:.4f}"}, {name} loss '
+            f'{metrics[f"{name}_loss"]:.4f}')
   if f'{name}_accuracy' in metrics:
     accuracy, loss = metrics[f'{name}_accuracy'], metrics[f'{name}_loss']
     top5, ema = metrics.get(f'{name}_top5_accuracy'), metrics.get(f'{name}_accuracy_ema')
@@ -83,9 +109,9 @@ class ClassificationEvaluator:
 
   @staticmethod
   def make_eval_step(model, config: ml_collections.ConfigDict):
-    """eval(params, batch) -> sums of correct, loss, count (supervised.make_eval_step)."""
-    del config
-    return supervised.make_eval_step(model)
+    """eval(params, batch) -> sums of correct, loss (config.loss), count
+    (supervised.make_eval_step)."""
+    return supervised.make_eval_step(model, config.loss)
 
   @staticmethod
   def is_on(entry: ml_collections.ConfigDict) -> bool:

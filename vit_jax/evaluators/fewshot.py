@@ -50,7 +50,8 @@ def plan(name: str, entry: ml_collections.ConfigDict,
          config: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
   """{dataset: shots}: for each of `datasets`, the k of entry.shots for which every class of
   its train_split has k shots and solver.HOLDOUT further images; logs a warning for each
-  dataset that lacks images for some, and for each of fewer than 2 classes (left out).
+  dataset that lacks images for some, and for each of fewer than 2 classes or of multi-label
+  data (left out: the regression takes one class per image).
   Raises ConfigError, naming the dataset, where a dataset or split does not exist or a test
   image does not decode."""
   from vit_jax.data import pipeline
@@ -58,10 +59,14 @@ def plan(name: str, entry: ml_collections.ConfigDict,
   for dataset in datasets(entry, config):
     try:
       data = dataset_config(entry, config, dataset)
-      pipeline.get_dataset_info(data)
-      sizes = solver.class_sizes(data, data.train_split)
+      multi_label = pipeline.get_dataset_info(data).multi_label
+      sizes = None if multi_label else solver.class_sizes(data, data.train_split)
     except (ValueError, FileNotFoundError) as e:
       raise ConfigError(f'config.evals.{name}.datasets, {dataset!r}: {e}') from None
+    if multi_label:
+      logging.warning('Few-shot evaluation skips %s: its images are multi-label, and k-shot '
+                      'takes k images of each class, each of one class.', dataset)
+      continue
     if len(sizes) < 2:
       logging.warning('Few-shot evaluation skips %s: it has %d class, and a classifier needs 2 '
                       'or more.', dataset, len(sizes))

@@ -231,9 +231,14 @@ def membership(positions: np.ndarray, draws: Sequence[tuple[np.ndarray, np.ndarr
 
 
 def split_labels(config, split: str) -> np.ndarray:
-  """int64 (N,): the labels of `split` of config.dataset in stored order, images unread."""
+  """int64 (N,): the labels of `split` of config.dataset in stored order, images unread; a
+  ValueError for multi-label data (k-shot takes k images of each class, each of one class)."""
   from vit_jax.data import sources
-  return sources.get_source(config).labels(split)
+  source = sources.get_source(config)
+  if source.multi_label:
+    raise ValueError(f'{config.dataset} is multi-label (an image has any number of its classes); '
+                     'few-shot evaluation takes k images of each class, each of one class.')
+  return source.labels(split)
 
 
 def class_sizes(config, split: str) -> np.ndarray:

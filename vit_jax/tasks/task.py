@@ -7,10 +7,12 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-Batch = dict[str, jax.Array]  # 'image' (B, H, W, 3) in [-1, 1], 'label' (B,), for eval 'mask'.
+# 'image' (B, H, W, 3) in [-1, 1], 'label' (B,) or multi-hot (B, C), for eval 'mask' (B,).
+Batch = dict[str, jax.Array]
 # loss_fn(params, batch, rng) -> (the mean loss of the batch, {metric name: batch mean}).
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
-# eval_step(params, batch) -> {metric name: sum over the batch's unmasked examples, 'count'}.
+# eval_step(params, batch) -> {metric name: sum over the batch's unmasked examples, 'count'};
+# the supervised step of multi-label data adds per-example arrays (supervised.EXAMPLES).
 EvalStep = Callable[[Any, Batch], dict[str, jax.Array]]
 
 

@@ -1,4 +1,6 @@
-"""Classifies images with a ViT checkpoint and prints the top-5 classes of each.
+"""Classifies images with a ViT checkpoint and prints the top-5 classes of each, with their
+probabilities: the softmax of the logits, or for a model a run trained with the sigmoid loss
+(`config.loss`, saved in its model.npz) each class's own sigmoid, which need not sum to 1.
 
     python -m vit_jax.predict --model ViT-B_16 --checkpoint ViT-B_16_imagenet2012.npz \\
         --labels imagenet2012 cat.jpg dog.png
@@ -88,6 +90,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = at_size(model, trained_size, image_size)
     labels = image_files.load_labels(args.labels, model.num_classes,
                          runs.saved_label_names(args.checkpoint))
+    activation = jax.nn.sigmoid if runs.saved_loss(args.checkpoint) == 'sigmoid_xent' else (
+        jax.nn.softmax)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
@@ -99,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr)
       failed = True
-  classify = jax.jit(lambda p, x: jax.nn.softmax(model.apply({'params': p}, x, train=False)))
+  classify = jax.jit(lambda p, x: activation(model.apply({'params': p}, x, train=False)))
   paths = list(images)
   for start in range(0, len(paths), BATCH_SIZE):
     batch = paths[start:start + BATCH_SIZE]

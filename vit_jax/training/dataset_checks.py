@@ -46,12 +46,13 @@ SHOWN_CLASS_NAMES = 5  # Class names the dataset line shows; '...' for the rest.
 
 
 def dataset_line(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> str:
-  """'Dataset NAME: N train images (SPLIT), M test images (SPLIT), K classes (a, b, ...).'"""
+  """'Dataset NAME: N train images (SPLIT), M test images (SPLIT), K classes (a, b, ...).', with
+  ' Multi-label.' after it for multi-label data."""
   names = ', '.join(info.label_names[:SHOWN_CLASS_NAMES])
   more = ', ...' if info.num_classes > SHOWN_CLASS_NAMES else ''
   return (f'Dataset {config.dataset}: {info.num_train:,} train images ({config.train_split}), '
           f'{info.num_test:,} test images ({config.test_split}), {info.num_classes} classes '
-          f'({names}{more}).')
+          f'({names}{more}).{" Multi-label." if info.multi_label else ""}')
 
 
 # Passes over each training image beyond which a run from scratch gets a warning: its config's

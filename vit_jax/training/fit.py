@@ -202,43 +202,50 @@ def resolve_accum_steps(config: ml_collections.ConfigDict, data_devices: int,
   return fitting
 
 
-def lower_train_step(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int):
+def lower_train_step(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int,
+                     multi_label: bool = False):
   """The training step of `config` for `mesh`, built as vit_jax.training.trainer builds it (model,
   optimiser, train state and its shardings, `jit_train_step`) and lowered for abstract state and
-  batches (jax.stages.Lowered): nothing is made on the devices."""
+  batches (jax.stages.Lowered), their labels multi-hot for `multi_label` data: nothing is made
+  on the devices."""
   model = train_setup.build_model(config, num_classes, list(mesh.devices.flat))
   optimizer = train_step.make_optimizer(config)
   state, shardings = train_step.abstract_train_state(config, model, optimizer, mesh,
                                                      config.pp.crop)
   return train_step.jit_train_step(model, optimizer, config, mesh, shardings).lower(
-      state, train_step.abstract_batch(config, mesh))
+      state, train_step.abstract_batch(config, mesh, multi_hot=num_classes * multi_label))
 
 
-def step_memory(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int) -> StepMemory:
+def step_memory(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int,
+                multi_label: bool = False) -> StepMemory:
   """The StepMemory of `config`'s training step on `mesh`, compiled."""
-  compiled, refusal = compile_or_refusal(lambda: lower_train_step(config, mesh, num_classes))
+  compiled, refusal = compile_or_refusal(
+      lambda: lower_train_step(config, mesh, num_classes, multi_label))
   return StepMemory(refusal=refusal) if compiled is None else memory_of(compiled)
 
 
 def checked_train_step(config: ml_collections.ConfigDict, model, optimizer, mesh: Mesh,
-                       shardings, state):
-  """`jit_train_step` compiled for `state` and the batches of `config`, before the first step;
-  FitError (one line: need, limit, what would fit) where it does not fit the memory of this
-  process's devices of the mesh (`device_memory_limit`; only those report their memory)."""
+                       shardings, state, multi_label: bool = False):
+  """`jit_train_step` compiled for `state` and the batches of `config` (their labels multi-hot
+  for `multi_label` data), before the first step; FitError (one line: need, limit, what would
+  fit) where it does not fit the memory of this process's devices of the mesh
+  (`device_memory_limit`; only those report their memory)."""
   step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   compiled, refusal = compile_or_refusal(
-      lambda: step.lower(state, train_step.abstract_batch(config, mesh)))
+      lambda: step.lower(state, train_step.abstract_batch(
+          config, mesh, multi_hot=model.num_classes * multi_label)))
   used = StepMemory(refusal=refusal) if compiled is None else memory_of(compiled)
   limit, where = device_memory_limit(mesh.local_devices[0])
   check(config, data_parallel_size(config, mesh.size),
-        lambda c: step_memory(c, mesh, model.num_classes), limit, where, used)
+        lambda c: step_memory(c, mesh, model.num_classes, multi_label), limit, where, used)
   return compiled
 
 
 def fitted_config(config: ml_collections.ConfigDict, mesh: Mesh, num_classes: int, limit: int,
-                  where: str) -> ml_collections.ConfigDict:
+                  where: str, multi_label: bool = False) -> ml_collections.ConfigDict:
   """`config`, its accum_steps='auto' resolved for `limit` bytes a device (resolve_accum_steps)."""
   if config.accum_steps != 'auto':
     return config
   return resolve_accum_steps(config, data_parallel_size(config, mesh.size),
-                             lambda c: step_memory(c, mesh, num_classes), limit, where)
+                             lambda c: step_memory(c, mesh, num_classes, multi_label), limit,
+                             where)

@@ -75,7 +75,7 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
 
   Args:
     rng: PRNG key of this step's mixup.
-    batch: {'image': (B, H, W, C), 'label': int (B,)}.
+    batch: {'image': (B, H, W, C), 'label': int (B,) or multi-hot (B, num_classes)}.
     alpha: Beta parameter, > 0.
     num_classes: length of the soft targets.
   Returns:
@@ -85,7 +85,8 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
   ratio = jax.random.beta(rng, alpha, alpha)
   ratio = jnp.maximum(ratio, 1 - ratio)
   mix = lambda x: ratio * x + (1 - ratio) * jnp.roll(x, 1, axis=0)
-  return {'image': mix(batch['image']), 'label': mix(jax.nn.one_hot(batch['label'], num_classes))}
+  return {'image': mix(batch['image']),
+          'label': mix(tasks.supervised.targets_of(batch['label'], num_classes))}
 def ema_update(ema: Any, params: Any, decay: float) -> Any:
   """One step of the exponential moving average of the weights: decay * ema + (1 - decay) *
   params, leaf by leaf."""
@@ -129,14 +130,17 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed), params), shardings
 
 
-def abstract_batch(config, mesh: Mesh, evaluation: bool = False) -> Batch:
+def abstract_batch(config, mesh: Mesh, evaluation: bool = False, multi_hot: int = 0) -> Batch:
   """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
   {'image': float32 (B, H, W, 3), 'label': int32 (B,)}, B = config.batch, (H, W) the sides of
-  config.pp.crop; for `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  config.pp.crop, or with `multi_hot` C > 0 (multi-label data of C classes) 'label' float32
+  (B, C); for `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
   size, (h, w) = (config.batch_eval if evaluation else config.batch), blank.image_hw(config.pp.crop)
   split = NamedSharding(mesh, P('data'))
+  label = (jax.ShapeDtypeStruct((size, multi_hot), jnp.float32, sharding=split) if multi_hot
+           else jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split))
   batch = {'image': jax.ShapeDtypeStruct((size, h, w, 3), jnp.float32, sharding=split),
-           'label': jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split)}
+           'label': label}
   if evaluation:
     batch['mask'] = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split)
   return batch

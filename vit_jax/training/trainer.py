@@ -93,7 +93,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                mesh.devices.flat[0].platform)
   limit, where = fit.device_memory_limit(mesh.local_devices[0])
   if config.accum_steps == 'auto':
-    config = fit.fitted_config(config, mesh, info.num_classes, limit, where)
+    config = fit.fitted_config(config, mesh, info.num_classes, limit, where, info.multi_label)
     logging.info('config.accum_steps=auto: %d, the fewest micro-batches whose step fits.',
                  config.accum_steps)
   optimizer = make_optimizer(config)
@@ -115,7 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       resume.write_config(config, workdir)
     checkpoints.delete_old()
     state, last_metrics = train(config, model, optimizer, mesh, shardings, state, train_iter,
-                                checkpoints, evals)
+                                checkpoints, evals, info.multi_label)
   except CheckpointSaveError as e:
     if e.final_state is None:
       raise
@@ -148,15 +148,16 @@ def write_model_after_failed_save(state: TrainState, model, config, workdir: str
 def write_model(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
            label_names: list[str]) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec,
-  the dataset's class names (`label_names`, in label order: what `predict` prints) and the
-  (height, width) the model was trained at (`runs.native_image_size` reads it); with an
-  EMA, model.npz holds the EMA and model_raw.npz the params themselves."""
+  the dataset's class names (`label_names`, in label order: what `predict` prints), the
+  (height, width) the model was trained at (`runs.native_image_size` reads it) and config.loss
+  (`loss`: how `predict` turns logits into probabilities); with an EMA, model.npz holds the
+  EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
   spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
-          'image_size': list(blank.image_hw(config.pp.crop))}
+          'image_size': list(blank.image_hw(config.pp.crop)), 'loss': config.loss}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -172,9 +173,9 @@ def write_model(state: TrainState, model, config: ml_collections.ConfigDict, wor
 
 
 def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoints,
-          evals: list[evaluators.Evaluator]):
-  """Compiles the steps and runs them from `state.step` on, with the evaluators `evals`;
-  returns the last state and metrics.
+          evals: list[evaluators.Evaluator], multi_label: bool = False):
+  """Compiles the steps (for multi-hot labels of `multi_label` data) and runs them from
+  `state.step` on, with the evaluators `evals`; returns the last state and metrics.
 
   A run that has already reached `config.total_steps` is evaluated once instead.
   """
@@ -195,7 +196,8 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
       return state, stop_evaluation(e, int(state.step), final=True)
     finally:
       watcher.close()
-  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
+  train_step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state,
+                                      multi_label)
   if int(state.step) == 0:
     writer.write_hparams(resume.flatten_config(config))
   flops_per_image = 3 * flops.gflops_per_image(model, config.pp.crop) * 1e9
