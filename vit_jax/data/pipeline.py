@@ -68,11 +68,13 @@ class DatasetInfo:
     label_names: name of each class, indexed by label.
     num_train: number of examples in `config.train_split`.
     num_test: number of examples in `config.test_split`.
+    per_pixel_labels: whether each pixel has a label (segmentation), not each image.
   """
   num_classes: int
   label_names: list[str]
   num_train: int
   num_test: int
+  per_pixel_labels: bool = False
 
 
 def get_dataset_info(config) -> DatasetInfo:
@@ -82,7 +84,8 @@ def get_dataset_info(config) -> DatasetInfo:
   source = sources.get_source(config)
   info = DatasetInfo(len(source.label_names), source.label_names,
                      source.num_examples(config.train_split),
-                     source.num_examples(config.test_split))
+                     source.num_examples(config.test_split),
+                     getattr(source, 'per_pixel_labels', False))
   source.check_decodable(config.test_split)
   return info
 
@@ -124,7 +127,8 @@ def train_dataset(config, *, process_index: int, process_count: int,
 
   Returns:
     Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,)}` with
-    b = config.batch // process_count.
+    b = config.batch // process_count; for a source of labels per pixel, 'label' int32
+    (b, crop, crop).
   """
   image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch', process_count)
@@ -148,8 +152,12 @@ def train_dataset(config, *, process_index: int, process_count: int,
 
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
-    image = image_ops.preprocess_train(shard.decode(record['image']), key, config.pp)
-    return {'image': image, 'label': tf.cast(record['label'], tf.int32)}
+    image, label = shard.decode(record['image']), record['label']
+    if label.shape.rank:  # Labels per pixel: cropped, resized and flipped with the image.
+      image, label = image_ops.preprocess_train_per_pixel(image, label, key, config.pp)
+    else:
+      image = image_ops.preprocess_train(image, key, config.pp)
+    return {'image': image, 'label': tf.cast(label, tf.int32)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(shards.as_written(epoch))
   examples = records.skip(offset).enumerate(start=first_position).filter(
@@ -164,7 +172,8 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   Returns:
     Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,),
     'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask` is 1 for real
-    examples and 0 for padding. Every process yields ceil(largest share / b) batches.
+    examples and 0 for padding; labels per pixel: 'label' int32 (b, crop, crop). Every process
+    yields ceil(largest share / b) batches.
   """
   image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch_eval', process_count)
@@ -173,13 +182,18 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
 
   def preprocess(record):
-    return {'image': image_ops.preprocess_eval(shard.decode(record['image']), config.pp),
-            'label': tf.cast(record['label'], tf.int32), 'mask': tf.constant(1.0)}
+    image, label = shard.decode(record['image']), record['label']
+    if label.shape.rank:  # Labels per pixel: sized as the image is.
+      image, label = image_ops.preprocess_eval_per_pixel(image, label, config.pp)
+    else:
+      image = image_ops.preprocess_eval(image, config.pp)
+    return {'image': image, 'label': tf.cast(label, tf.int32), 'mask': tf.constant(1.0)}
 
-  padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
-             'label': tf.constant(0), 'mask': tf.constant(0.0)}
   examples = shard.epoch(None).map(
       shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  padding = {'image': tf.zeros([config.pp.crop, config.pp.crop, 3]),
+             'label': tf.zeros(examples.element_spec['label'].shape, tf.int32),
+             'mask': tf.constant(0.0)}
   examples = examples.concatenate(tf.data.Dataset.from_tensors(padding).repeat(
       num_batches * batch - shard.num_examples))
   return examples.batch(batch).prefetch(tf.data.AUTOTUNE)

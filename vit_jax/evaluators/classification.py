@@ -27,17 +27,23 @@ def added(totals, sums):
   return jax.tree.map(jnp.add, totals, sums)
 
 
-def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
-  """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
-  as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
-  {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
-  mpp.make_eval_step."""
+def summed(eval_step, params, config, mesh: Mesh) -> dict:
+  """What `eval_step(params, batch)` sums, summed over the whole of config.test_split, as numpy
+  arrays on the host."""
   from vit_jax.data import pipeline
   totals, pacer = None, hardware.Pacer()
   for batch in pipeline.get_eval_iterator(config, mesh):
     sums = eval_step(params, batch)
     totals = pacer.step(sums if totals is None else added(totals, sums))
-  totals = jax.device_get(totals)
+  return jax.device_get(totals)
+
+
+def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
+  """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
+  as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
+  {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
+  mpp.make_eval_step."""
+  totals = summed(eval_step, params, config, mesh)
   return {f'{name}_{EVAL_NAMES.get(key, key)}': float(total / totals['count'])
           for key, total in totals.items() if key != 'count'}
 

@@ -131,12 +131,14 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
 
 def abstract_batch(config, mesh: Mesh, evaluation: bool = False) -> Batch:
   """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
-  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch; for
-  `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  {'image': float32 (B, crop, crop, 3), 'label': int32 (B,)}, B = config.batch ('label' (B,
+  crop, crop) where the objective labels each pixel); for `evaluation`, B = config.batch_eval
+  and with 'mask': float32 (B,)."""
   size, crop = (config.batch_eval if evaluation else config.batch), config.pp.crop
   split = NamedSharding(mesh, P('data'))
+  label_shape = (size, crop, crop) if tasks.for_config(config).per_pixel_labels else (size,)
   batch = {'image': jax.ShapeDtypeStruct((size, crop, crop, 3), jnp.float32, sharding=split),
-           'label': jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split)}
+           'label': jax.ShapeDtypeStruct(label_shape, jnp.int32, sharding=split)}
   if evaluation:
     batch['mask'] = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split)
   return batch
