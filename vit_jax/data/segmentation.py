@@ -3,8 +3,9 @@ embedded Fashion-MNIST (no file of its own).
 
 Each canvas is CANVAS x CANVAS grey pixels (56: 2 x 2 items of 28) holding 2 to 4 items of the
 embedded split of the same name ('train', 'test'), each item used once. The canvas is cut into
-2 x 2 cells of ITEM pixels; each item goes into its own cell, shifted by up to JITTER pixels
-(clipped to the canvas), so that neighbours overlap by a few pixels at most; an item is pasted
+2 x 2 cells of ITEM pixels; each item goes into its own cell, shifted by a whole patch of the
+default run's model (SHIFT_STEP, 7 px) or not, along each axis, and clipped to the canvas, so that
+items keep the alignment with the patches that the default run trained on; an item is pasted
 where its pixels are nonzero, over the items before it. The mask holds, per pixel, the class + 1
 of the item whose pixel shows there, and BACKGROUND (0) elsewhere: 11 classes, 'background' and
 the 10 of Fashion-MNIST. Which items, how many per canvas, their cells and shifts follow from
@@ -16,7 +17,9 @@ import numpy as np
 CANVAS = 56  # Pixels per side of a canvas.
 ITEM = 28  # Pixels per side of an item (Fashion-MNIST's images).
 ITEMS_PER_CANVAS = (2, 4)  # Fewest and most items on a canvas.
-JITTER = 6  # Largest shift, in pixels, of an item from the corner of its cell.
+# An item's shift from the corner of its cell: -1, 0 or 1 steps of SHIFT_STEP pixels, the patch
+# size of the default run's model, so that items stay aligned with its patches as in pre-training.
+SHIFT_STEP = 7
 SEED = 0
 BACKGROUND = 0  # The mask's value where no item is; an item's class c is c + 1.
 SPLIT_STREAMS = {'train': 0, 'test': 1}  # Mixed into SEED per split.
@@ -46,7 +49,7 @@ def layout(num_items: int, seed: tuple[int, ...]) -> tuple[np.ndarray, np.ndarra
     items[canvas, :count] = order[start:start + count]
   cells = np.argsort(rng.random((len(counts), 4)), axis=1)  # A different cell per item.
   cell_corners = np.stack([cells // 2, cells % 2], axis=-1) * ITEM
-  shifts = rng.integers(-JITTER, JITTER + 1, size=(len(counts), most, 2))
+  shifts = rng.integers(-1, 2, size=(len(counts), most, 2)) * SHIFT_STEP
   corners = np.clip(cell_corners + shifts, 0, CANVAS - ITEM)
   return items, corners
 

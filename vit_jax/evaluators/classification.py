@@ -71,6 +71,16 @@ def data_config(entry: ml_collections.ConfigDict,
   return config
 
 
+def objective_error(where: str, kind: str, objective: str,
+                    config: ml_collections.ConfigDict) -> str | None:
+  """Why an entry of type `kind`, which evaluates models trained with `objective` only, cannot
+  run in the run of `config`, or None where it can; one line."""
+  if config.objective == objective:
+    return None
+  return (f'{where}.type={kind!r} evaluates a model trained with --config.objective={objective}; '
+          f"this run's objective is {config.objective!r}: use type 'classification'.")
+
+
 class ClassificationEvaluator:
   """Evaluates the params with `eval_step` (here: the classifier's) on the entry's data."""
 

@@ -8,7 +8,6 @@ taken, so that mIoU is that of the split, not a mean over batches.
 """
 import ml_collections
 
-from vit_jax import tasks
 from vit_jax.evaluators import classification
 from vit_jax.tasks import segmentation
 
@@ -26,11 +25,7 @@ class SegmentationEvaluator(classification.ClassificationEvaluator):
   def config_error(where: str, entry: ml_collections.ConfigDict,
                    config: ml_collections.ConfigDict) -> str | None:
     del entry
-    if tasks.for_config(config) is not segmentation.TASK:
-      return (f"{where}.type='segmentation' evaluates a segmentation model, trained with "
-              "--config.objective=segmentation; this run's objective is "
-              f"{config.objective!r}: use type 'classification'.")
-    return None
+    return classification.objective_error(where, 'segmentation', 'segmentation', config)
 
   def run(self, params) -> dict[str, float]:
     totals = classification.summed(self.eval_step, params, self.data, self.mesh)
