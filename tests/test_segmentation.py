@@ -9,6 +9,7 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 import pytest
 
 import helpers
@@ -24,6 +25,7 @@ from vit_jax.errors import ConfigError
 from vit_jax.models import blank
 from vit_jax.models import registry
 from vit_jax.tasks import segmentation
+from vit_jax.tools import predict
 from vit_jax.training import dataset_checks
 
 ROOT = os.path.dirname(helpers.TESTS)
@@ -31,7 +33,9 @@ ROOT = os.path.dirname(helpers.TESTS)
 
 @pytest.fixture(scope='module')
 def embedded():
-  return sources._embedded_arrays()  # noqa: SLF001  (the items the canvases are made of)
+  """The embedded Fashion-MNIST's arrays, the items the canvases are made of."""
+  with np.load(sources.EMBEDDED_PATH) as data:
+    return {name: data[name] for name in data.files}
 
 
 def test_the_canvases_are_the_same_every_time(embedded):
@@ -85,6 +89,12 @@ def test_training_batches_flip_image_and_mask_together(embedded):
     np.testing.assert_array_equal(label, masks[i][:, ::-1] if flipped else masks[i])
     flips.append(flipped)
   assert 0 < sum(flips) < len(flips)  # Some flipped, some not.
+
+
+def test_the_upsampling_is_jax_image_resizes_bilinear():
+  maps = np.random.default_rng(0).normal(size=(2, 8, 4, 3)).astype(np.float32)
+  np.testing.assert_allclose(segmentation.upsample(maps, (56, 12)),
+                             jax.image.resize(maps, (2, 56, 12, 3), 'bilinear'), atol=1e-5)
 
 
 def test_ignored_pixels_do_not_change_the_loss():
@@ -176,10 +186,11 @@ def test_config_refuses_randaugment_and_mixup():
   assert 'mixup.p' in segmentation.config_error(config)
 
 
-def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp_path):
+def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp_path, capsys,
+                                                                            embedded):
   """configs/segmentation.py from a checkpoint of the default run's model, as the README runs it,
   shortened to 2 steps: it prints pixel accuracy and mIoU and writes a model.npz that loads as a
-  segmentation model."""
+  segmentation model, whose masks `predict` writes."""
   model = registry.get_model(defaults.get_config().model, num_classes=10)
   path, _ = classifier_checkpoint(tmp_path, model, 28)
   workdir = tmp_path / 'seg'
@@ -198,3 +209,11 @@ def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp
   assert isinstance(loaded, segmentation.SegmentationViT) and 'seg_head' in params
   logits = loaded.apply({'params': params}, np.zeros((1, 56, 56, 3), np.float32), train=False)
   assert logits.shape == (1, 56, 56, 11)
+  # predict gives the classes that cover the most pixels, and writes the mask.
+  image = tmp_path / 'canvas.png'
+  Image.fromarray(canvases.split_of(embedded, 'test')[0][0]).save(image)
+  predict.main(['--checkpoint', str(workdir), '--masks', str(tmp_path / 'masks'), str(image)])
+  printed = capsys.readouterr().out
+  assert f'{image} (56x56 px, pixels per class):' in printed and '(0)' in printed
+  mask = np.asarray(Image.open(tmp_path / 'masks' / 'canvas.png'))
+  assert mask.shape == (56, 56) and mask.max() < 11

@@ -47,9 +47,7 @@ class SegmentationViT(vit.VisionTransformer):
     head = nn.Dense(self.num_classes, dtype=self.dtype, name=PARAM_PREFIX + 'head',
                     kernel_init=with_axes(nn.initializers.zeros, 'embed', 'classes'),
                     bias_init=with_axes(nn.initializers.zeros, 'classes'))
-    logits = head(maps).astype(jnp.float32)
-    return jax.image.resize(logits, (logits.shape[0], *image_size, logits.shape[-1]),
-                            method='bilinear')
+    return upsample(head(maps).astype(jnp.float32), image_size)
 
   @nn.compact
   def __call__(self, images, *, train, head=True):
@@ -62,6 +60,28 @@ class SegmentationViT(vit.VisionTransformer):
     if self.is_initializing():
       self.pool_and_classify(tokens, head=False)  # Declares pre_logits, where the model has it.
     return self.segment(tokens, grid, images.shape[1:3])
+
+
+def bilinear_weights(size: int, grid: int) -> np.ndarray:
+  """float32 (size, grid): row i the weights of the `grid` cells at pixel i of `size`, bilinear
+  with half-pixel centres and the edge cells extended (jax.image.resize's 'bilinear' when
+  enlarging)."""
+  centres = np.clip((np.arange(size) + 0.5) * grid / size - 0.5, 0, grid - 1)
+  low = np.floor(centres).astype(int)
+  high = np.minimum(low + 1, grid - 1)
+  weights = np.zeros((size, grid), np.float32)
+  np.add.at(weights, (np.arange(size), low), 1 - (centres - low))
+  np.add.at(weights, (np.arange(size), high), centres - low)
+  return weights
+
+
+def upsample(maps: jax.Array, image_size: tuple[int, int]) -> jax.Array:
+  """(B, rows, columns, C) -> (B, H, W, C), bilinear: one product per axis with the constant
+  `bilinear_weights`, which XLA:CPU runs in about half the time of jax.image.resize's (that
+  computes its weights in the step, with its gradient)."""
+  rows = bilinear_weights(image_size[0], maps.shape[1])
+  columns = bilinear_weights(image_size[1], maps.shape[2])
+  return jnp.einsum('Ww,bHwc->bHWc', columns, jnp.einsum('Hh,bhwc->bHwc', rows, maps))
 
 
 def with_segmentation(model: vit.VisionTransformer) -> SegmentationViT:
@@ -77,10 +97,12 @@ def pixel_losses(logits: jax.Array, labels: jax.Array, ignore_label: int,
   (B, H, W): the softmax cross-entropy (of targets smoothed by `label_smoothing`), 0 where the
   label is `ignore_label`, and 1 where a pixel is labelled, 0 where it is ignored."""
   labelled = labels != ignore_label
-  targets = jax.nn.one_hot(jnp.where(labelled, labels, 0), logits.shape[-1])
+  safe = jnp.where(labelled, labels, 0)
   if label_smoothing:
-    targets = optax.smooth_labels(targets, label_smoothing)
-  loss = optax.softmax_cross_entropy(logits, targets)
+    targets = optax.smooth_labels(jax.nn.one_hot(safe, logits.shape[-1]), label_smoothing)
+    loss = optax.softmax_cross_entropy(logits, targets)
+  else:  # Without the one-hot targets: the faster form.
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
   labelled = labelled.astype(jnp.float32)
   return loss * labelled, labelled
 
