@@ -103,7 +103,7 @@ FIELD_HELP = {
     'mpp.target': "Masked patch prediction: 'mean_color_3bit' (512 classes), "
                   "'downsampled_3bit' (4x4 of them) or 'patch_l2' (pixels).",
     'seg.ignore_label': 'Segmentation: the label of pixels that count in neither loss nor '
-                        'metrics (255: as PNG masks of VOC and ADE20K mark them).',
+                        'metrics (255: as the PNG masks of Pascal VOC mark them).',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "

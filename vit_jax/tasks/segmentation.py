@@ -9,7 +9,7 @@ does not have; fine-tuning from a classification checkpoint drops that head and 
 afresh, and a classifier fine-tuned from a segmentation run drops `seg_head`.
 
 The batches label each pixel: 'label' int (B, H, W), class ids in [0, C), or
-`config.seg.ignore_label` (default 255, the value PNG masks of VOC and ADE20K leave unlabelled)
+`config.seg.ignore_label` (default 255, as the PNG masks of Pascal VOC mark unlabelled pixels)
 for pixels that count nowhere. The loss is the per-pixel softmax cross-entropy (smoothed by
 config.label_smoothing) averaged over the labelled pixels of the batch. Evaluation sums the
 confusion matrix of the labelled pixels (`confusion`); from it `scores` gives the pixel accuracy
