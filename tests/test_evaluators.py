@@ -75,7 +75,7 @@ def test_an_unknown_type_is_a_one_line_error():
   config.evals.test.type = 'detection'
   with pytest.raises(checks.ConfigError, match=(
       r"config.evals.test.type='detection' is not one of \('classification', 'mpp', "
-      r"'fewshot'\)")):
+      r"'segmentation', 'fewshot'\)")):
     checks.validate_config(config, jax.device_count())
 
 

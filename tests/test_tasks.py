@@ -26,10 +26,11 @@ def tiny_run(objective, **overrides):
   return task, task.model(tiny_vit(), config), config
 
 
-def test_the_registry_lists_both_objectives_and_their_evaluators():
-  assert tasks.OBJECTIVES == ('supervised', 'masked_patch_prediction')
+def test_the_registry_lists_the_objectives_and_their_evaluators():
+  assert tasks.OBJECTIVES == ('supervised', 'masked_patch_prediction', 'segmentation')
   assert {name: task.evaluator for name, task in tasks.TASKS.items()} == {
-      'supervised': 'classification', 'masked_patch_prediction': 'mpp'}
+      'supervised': 'classification', 'masked_patch_prediction': 'mpp',
+      'segmentation': 'segmentation'}
   assert tasks.for_config(tiny_config()) is tasks.get('supervised')
   assert tasks.get('supervised').needs_labels
   assert not tasks.get('masked_patch_prediction').needs_labels
@@ -88,7 +89,8 @@ def test_mpp_adds_exactly_its_prefixed_params_and_fine_tuning_drops_them(tmp_pat
 
 
 def test_an_unknown_objective_is_a_one_line_error():
-  message = "config.objective='mpp' is not one of ('supervised', 'masked_patch_prediction')."
+  message = ("config.objective='mpp' is not one of ('supervised', 'masked_patch_prediction', "
+             "'segmentation').")
   assert tasks.config_error(tiny_config(objective='mpp')) == message
   with pytest.raises(ValueError, match=re.escape(message)):
     tasks.get('mpp')

@@ -18,6 +18,7 @@ from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
 from vit_jax.models import positions
 from vit_jax.models import registry
+from vit_jax import tasks
 from vit_jax.models.blank import ImageSize
 
 
@@ -124,13 +125,14 @@ def _recorded_model_config(path_or_workdir) -> Optional[ml_collections.ConfigDic
 def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
   """(model, params) of a saved model: an .npz file, or a training workdir (its model.npz).
 
-  The model is the one of the spec saved in the file (`save`); `overrides` set fields it leaves
-  to the caller, e.g. `dtype=jnp.bfloat16`. `path_or_workdir` may be a published name
-  (`published`), which also names the model. Another file without a spec (the published
-  checkpoints, files of older versions) needs `model_name`, a registry name whose classes and
-  representation size then follow the parameters, with the fields of a FILE.overrides.json next
-  to it applied (deprecated: files now carry their spec); an older workdir's config.json also
-  names it.
+  The model is the one of the spec saved in the file (`save`), as the objective it records
+  wraps it (`tasks.saved_model`: e.g. a segmentation.SegmentationViT, whose output is logits
+  per pixel); `overrides` set fields it leaves to the caller, e.g. `dtype=jnp.bfloat16`.
+  `path_or_workdir` may be a published name (`published`), which also names the model. Another
+  file without a spec (the published checkpoints, files of older versions) needs `model_name`, a
+  registry name whose classes and representation size then follow the parameters, with the
+  fields of a FILE.overrides.json next to it applied (deprecated: files now carry their spec);
+  an older workdir's config.json also names it.
   Raises a CheckpointError, or FileNotFoundError, whose one line names the file and the fix.
   """
   if error := unfinished_run(path_or_workdir):
@@ -151,8 +153,8 @@ def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):
                           f'{model_name}: leave out the model name.')
   else:
     try:
-      model = registry.model_from_spec(spec, **overrides)
-    except ValueError as e:
+      model = tasks.saved_model(registry.model_from_spec(spec, **overrides), spec)
+    except (ValueError, KeyError) as e:
       raise npz.CheckpointError(f'{path}: {e}') from None
   finetune.check_matches(
       params, registry.param_shapes(model, native_image_size(params, model, spec)), source=path)

@@ -89,14 +89,17 @@ def training_defaults() -> ml_collections.ConfigDict:
   # Exponential moving average of the weights, evaluated beside them and exported as model.npz.
   config.ema_decay = 0.0  # 0: off.
 
-  # Objective: 'supervised' (labels) or 'masked_patch_prediction' (self-supervised pre-training
-  # of the paper's Section 4.6, vit_jax/tasks/mpp.py; labels unused).
+  # Objective: 'supervised' (labels), 'masked_patch_prediction' (self-supervised pre-training
+  # of the paper's Section 4.6, vit_jax/tasks/mpp.py; labels unused) or 'segmentation' (labels
+  # per pixel, vit_jax/tasks/segmentation.py).
   config.objective = 'supervised'
   config.mpp = ml_collections.ConfigDict({
       'corruption_rate': 0.5,
       'mask_random_keep': (0.8, 0.1, 0.1),
       'target': 'mean_color_3bit',
   })
+  # Segmentation (vit_jax/tasks/segmentation.py): the label value of pixels that count nowhere.
+  config.seg = ml_collections.ConfigDict({'ignore_label': 255})
 
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).

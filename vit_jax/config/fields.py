@@ -98,14 +98,17 @@ FIELD_HELP = {
                '(one ratio per step, at least 1/2), e.g. 0.2; 0: off.',
     'ema_decay': 'Keep an EMA of the weights with this decay per step, e.g. 0.9998: evaluated '
                  'too (*_ema), written as model.npz (raw: model_raw.npz); 0: off.',
-    'objective': "'supervised' (labels), or 'masked_patch_prediction' (self-supervised "
-                 'pre-training, vit_jax/tasks/mpp.py; labels unused).',
+    'objective': "'supervised' (labels), 'masked_patch_prediction' (self-supervised "
+                 "pre-training, vit_jax/tasks/mpp.py; labels unused), or 'segmentation' (labels "
+                 'per pixel, vit_jax/tasks/segmentation.py).',
     'mpp.corruption_rate': "Masked patch prediction: share of each image's patches corrupted "
                            'and predicted.',
     'mpp.mask_random_keep': 'Masked patch prediction: shares of the corrupted patches replaced '
                             'by the [mask] embedding, by a random other patch, and kept.',
     'mpp.target': "Masked patch prediction: 'mean_color_3bit' (512 classes), "
                   "'downsampled_3bit' (4x4 of them) or 'patch_l2' (pixels).",
+    'seg.ignore_label': 'Segmentation: the label of pixels that count in neither loss nor '
+                        'metrics (255: as the PNG masks of Pascal VOC mark them).',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
@@ -118,8 +121,8 @@ FIELD_HELP = {
     'checkpoint_every': 'Save a checkpoint every this many steps, and at the end.',
     'keep_checkpoints': 'Checkpoints kept in WORKDIR/checkpoints; 0: all of them.',
     **{f'evals.{name}.{field}': meaning for name in ('test', 'val') for field, meaning in {
-        'type': "Evaluator (vit_jax.evaluators.TYPES): 'classification' or 'mpp'; None: the "
-                "objective's.",
+        'type': "Evaluator (vit_jax.evaluators.TYPES): 'classification', 'mpp' or "
+                "'segmentation'; None: the objective's.",
         'every': 'Evaluate every this many steps, and at the end; None: eval_every.'}.items()},
     'evals.test.split': 'The same field as test_split.',
     'evals.val.split': "Minival split string evaluated on its own, e.g. 'train[98%:]' (held out "
@@ -188,6 +191,7 @@ FIELD_RANGES = {
     'mixup.p': Range(float, 0),
     'ema_decay': FRACTION,
     'mpp.corruption_rate': Range(float, 0, 1, open='low'),
+    'seg.ignore_label': Range(int, -1),
     'mesh.data': Range(int, 0, open='low',
                        special=((-1, 'all the devices that config.mesh.model leaves'),)),
     'mesh.model': POSITIVE_INT,

@@ -19,21 +19,22 @@ def to_unit_range(image: tf.Tensor) -> tf.Tensor:
   return tf.cast(image, tf.float32) / 127.5 - 1
 
 
-def resize(image: tf.Tensor, size) -> tf.Tensor:
-  """(..., height, width, 3) -> float32 (..., h, w, 3), bilinear; `size` a side in pixels (h =
-  w) or (h, w)."""
-  return tf.image.resize(image, blank.image_hw(size), method='bilinear')
+def resize(image: tf.Tensor, size, method: str = 'bilinear') -> tf.Tensor:
+  """(..., height, width, C) -> float32 (..., h, w, C), bilinear, `size` a side in pixels (h =
+  w) or (h, w); or by `method` 'nearest', which keeps the dtype (for labels per pixel)."""
+  return tf.image.resize(image, blank.image_hw(size), method=method)
 
 
-def resize_short_side(image: tf.Tensor, size: int) -> tf.Tensor:
-  """(height, width, 3) -> float32 (h', w', 3) with min(h', w') = size, keeping the aspect."""
+def resize_short_side(image: tf.Tensor, size: int, method: str = 'bilinear') -> tf.Tensor:
+  """(height, width, C) -> float32 (h', w', C) with min(h', w') = size, keeping the aspect;
+  `method` as `resize` takes it."""
   shape = tf.cast(tf.shape(image)[:2], tf.float32)
   new_shape = tf.maximum(tf.cast(tf.round(shape * size / tf.reduce_min(shape)), tf.int32), size)
-  return tf.image.resize(image, new_shape, method='bilinear')
+  return tf.image.resize(image, new_shape, method=method)
 
 
 def central_crop(image: tf.Tensor, size) -> tf.Tensor:
-  """(height, width, 3), each at least the side of `size` (a side, or (h, w)) -> (h, w, 3)
+  """(height, width, C), each at least the side of `size` (a side, or (h, w)) -> (h, w, C)
   from the centre."""
   return tf.image.resize_with_crop_or_pad(image, *blank.image_hw(size))
 
@@ -75,13 +76,49 @@ def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
   return to_unit_range(image)
 
 
+def preprocess_train_per_pixel(image: tf.Tensor, labels: tf.Tensor, key: tf.Tensor,
+                               pp) -> tuple[tf.Tensor, tf.Tensor]:
+  """uint8 (height, width, 3) and its labels (height, width) -> float32 (h, w, 3) in [-1, 1] and
+  int32 (h, w), (h, w) the sides of `pp.crop`, augmented alike by `key`: the same crop (`pp.
+  inception_crop`) and flip (`pp.flip`), the image resized bilinearly and the labels to the
+  nearest pixel. No RandAugment: its rotations and shears would move pixels away from their
+  labels (config checks refuse it for segmentation)."""
+  crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+  if pp.get('inception_crop', True):
+    both = tf.concat([tf.cast(image, tf.int32), tf.cast(labels, tf.int32)[..., None]], axis=-1)
+    both = inception_crop(both, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
+    image, labels = both[..., :3], both[..., 3]
+  image = resize(image, pp.crop)
+  labels = resize(tf.cast(labels, tf.int32)[..., None], pp.crop, 'nearest')[..., 0]
+  if pp.get('flip', True):
+    flip = tf.random.stateless_uniform([], flip_key) < 0.5
+    image, labels = (tf.where(flip, tf.reverse(x, [1]), x) for x in (image, labels))
+  return to_unit_range(image), labels
+
+
+def eval_size(image: tf.Tensor, pp, method: str = 'bilinear') -> tf.Tensor:
+  """(height, width, C) -> (h, w, C), (h, w) the sides of `pp.crop`: resized to that, or with
+  `pp.resize` its short side resized to pp.resize and the centre cropped; `method` as `resize`
+  takes it."""
+  if pp.get('resize'):
+    image = central_crop(resize_short_side(image, pp.resize, method), pp.crop)
+  else:
+    image = resize(image, pp.crop, method)
+  return tf.ensure_shape(image, [*blank.image_hw(pp.crop), image.shape[-1]])
+
+
 def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
   """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`."""
-  if pp.get('resize'):
-    image = central_crop(resize_short_side(image, pp.resize), pp.crop)
-  else:
-    image = resize(image, pp.crop)
-  return to_unit_range(tf.ensure_shape(image, [*blank.image_hw(pp.crop), 3]))
+  return to_unit_range(eval_size(image, pp))
+
+
+def preprocess_eval_per_pixel(image: tf.Tensor, labels: tf.Tensor,
+                              pp) -> tuple[tf.Tensor, tf.Tensor]:
+  """uint8 (height, width, 3) and its labels (height, width) -> float32 (h, w, 3) in [-1, 1] and
+  int32 (h, w), (h, w) the sides of `pp.crop`, sized alike (`eval_size`), the labels to the
+  nearest pixel."""
+  labels = eval_size(tf.cast(labels, tf.int32)[..., None], pp, 'nearest')[..., 0]
+  return preprocess_eval(image, pp), labels
 
 
 def check_pp(pp):

@@ -71,12 +71,14 @@ class DatasetInfo:
     num_train: number of examples in `config.train_split`.
     num_test: number of examples in `config.test_split`.
     multi_label: whether an image has any number of the classes (labels: multi-hot rows).
+    per_pixel_labels: whether each pixel has a label (segmentation), not each image.
   """
   num_classes: int
   label_names: list[str]
   num_train: int
   num_test: int
   multi_label: bool = False
+  per_pixel_labels: bool = False
 
 
 def get_dataset_info(config) -> DatasetInfo:
@@ -86,7 +88,8 @@ def get_dataset_info(config) -> DatasetInfo:
   source = sources.get_source(config)
   info = DatasetInfo(len(source.label_names), source.label_names,
                      source.num_examples(config.train_split),
-                     source.num_examples(config.test_split), source.multi_label)
+                     source.num_examples(config.test_split), source.multi_label,
+                     source.per_pixel_labels)
   source.check_decodable(config.test_split)
   return info
 
@@ -132,8 +135,9 @@ def train_dataset(config, *, process_index: int, process_count: int,
   """This process's training batches from step `start_step` on, as an endless tf.data pipeline.
 
   Returns:
-    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,) (multi-label:
-    float32 (b, C))}` with b = config.batch // process_count.
+    Batches `{'image': float32 (b, h, w, 3) in [-1, 1], 'label': int32 (b,)}` with
+    b = config.batch // process_count and (h, w) the sides of config.pp.crop; for multi-label
+    data 'label' float32 (b, C), for labels per pixel int32 (b, h, w).
   """
   image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch', process_count)
@@ -157,8 +161,12 @@ def train_dataset(config, *, process_index: int, process_count: int,
 
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
-    image = image_ops.preprocess_train(shard.decode(record['image']), key, config.pp)
-    return {'image': image, 'label': _label(record['label'], source.multi_label)}
+    image, label = shard.decode(record['image']), record['label']
+    if source.per_pixel_labels:  # Cropped, resized and flipped with the image.
+      image, label = image_ops.preprocess_train_per_pixel(image, label, key, config.pp)
+    else:
+      image = image_ops.preprocess_train(image, key, config.pp)
+    return {'image': image, 'label': _label(label, source.multi_label)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(shards.as_written(epoch))
   examples = records.skip(offset).enumerate(start=first_position).filter(
@@ -171,10 +179,10 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   """This process's share of `config.test_split`, once, padded to a count shared by all processes.
 
   Returns:
-    Batches `{'image': float32 (b, crop, crop, 3) in [-1, 1], 'label': int32 (b,) (multi-label:
-    float32 (b, C)), 'mask': float32 (b,)}` with b = config.batch_eval // process_count; `mask`
-    is 1 for real
-    examples and 0 for padding. Every process yields ceil(largest share / b) batches.
+    Batches `{'image': float32 (b, h, w, 3) in [-1, 1], 'label': int32 (b,), 'mask': float32
+    (b,)}` with b = config.batch_eval // process_count and (h, w) the sides of config.pp.crop;
+    for multi-label data 'label' float32 (b, C), for labels per pixel int32 (b, h, w). `mask` is
+    1 for real examples and 0 for padding. Every process yields ceil(largest share / b) batches.
   """
   image_ops.check_pp(config.pp)
   batch = local_batch_size(config, 'batch_eval', process_count)
@@ -183,14 +191,18 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
 
   def preprocess(record):
-    return {'image': image_ops.preprocess_eval(shard.decode(record['image']), config.pp),
-            'label': _label(record['label'], source.multi_label), 'mask': tf.constant(1.0)}
+    image, label = shard.decode(record['image']), record['label']
+    if source.per_pixel_labels:  # Sized as the image is.
+      image, label = image_ops.preprocess_eval_per_pixel(image, label, config.pp)
+    else:
+      image = image_ops.preprocess_eval(image, config.pp)
+    return {'image': image, 'label': _label(label, source.multi_label), 'mask': tf.constant(1.0)}
 
-  no_label = tf.zeros([len(source.label_names)] if source.multi_label else [], tf.int64)
-  padding = {'image': tf.zeros([*blank.image_hw(config.pp.crop), 3]),
-             'label': _label(no_label, source.multi_label), 'mask': tf.constant(0.0)}
   examples = shard.epoch(None).map(
       shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  label = examples.element_spec['label']
+  padding = {'image': tf.zeros([*blank.image_hw(config.pp.crop), 3]),
+             'label': tf.zeros(label.shape, label.dtype), 'mask': tf.constant(0.0)}
   examples = examples.concatenate(tf.data.Dataset.from_tensors(padding).repeat(
       num_batches * batch - shard.num_examples))
   return examples.batch(batch).prefetch(tf.data.AUTOTUNE)

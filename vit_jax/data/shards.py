@@ -25,9 +25,9 @@ class Shard:
   Attributes:
     num_examples: number of examples in the share.
     epoch: `key -> tf.data.Dataset` of one pass over the share as records
-      `{'image': undecoded image, 'label': int64 () class, or int64 (C,) multi-hot of a
-      multi-label source}`; shuffled by the stateless key (int64 (2,))
-      or, for `key=None`, in the stored order.
+      `{'image': undecoded image, 'label': int64 () class, int64 (C,) multi-hot of a
+      multi-label source, or int64 (height, width) per pixel}`; shuffled by the stateless key
+      (int64 (2,)) or, for `key=None`, in the stored order.
     decode: undecoded image -> uint8 (height, width, 3).
   """
   num_examples: int
@@ -69,17 +69,20 @@ class ArraySource:
   """A source with random access: every split is an array of items and an array of labels.
 
   Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
-  paths for image folders. Labels are int class indices (N,), or for a `multi_label` source
-  multi-hot rows (N, C). The epoch order is a stateless permutation of the share.
+  paths for image folders. Labels are int class indices (N,), for a `multi_label` source
+  multi-hot rows (N, C), or with `per_pixel_labels` one per pixel of the decoded image (N,
+  height, width). The epoch order is a stateless permutation of the share.
   """
   random_access = True
 
   def __init__(self, name: str, label_names: list[str],
                load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
-               decode: Callable[[tf.Tensor], tf.Tensor], multi_label: bool = False):
+               decode: Callable[[tf.Tensor], tf.Tensor], multi_label: bool = False,
+               per_pixel_labels: bool = False):
     self.name = name
     self.label_names = label_names
     self.multi_label = multi_label
+    self.per_pixel_labels = per_pixel_labels
     self._load_split = functools.cache(load_split)
     self._decode = decode
 
@@ -122,14 +125,15 @@ class ArraySource:
     items, labels = self.select(split)
     start, end = shard_bounds(len(labels), process_index, process_count)
     items = tf.constant(items[start:end])
-    labels = tf.constant(labels[start:end], tf.int64)
+    labels = tf.constant(labels[start:end])  # Cast per record: masks stay uint8 here.
 
     def epoch(key):
       order = tf.range(end - start)
       if key is not None:
         order = tf.random.experimental.stateless_shuffle(order, seed=key)
       return tf.data.Dataset.from_tensor_slices(order).map(as_written(
-          lambda i: {'image': tf.gather(items, i), 'label': tf.gather(labels, i)}))
+          lambda i: {'image': tf.gather(items, i),
+                     'label': tf.cast(tf.gather(labels, i), tf.int64)}))
 
     return Shard(end - start, epoch, self._decode)
 

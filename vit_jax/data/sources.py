@@ -18,11 +18,14 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from vit_jax.data import segmentation
 from vit_jax.data import shards
 from vit_jax.data import tfds_source
 
 
 EMBEDDED_DATASET = 'fashion_mnist_embedded'
+# Canvases of 2 to 4 items of the embedded data, with per-pixel labels (data/segmentation.py).
+SEGMENTATION_DATASET = 'fashion_mnist_segmentation'
 EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'fashion_mnist_embedded.npz')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
@@ -57,6 +60,22 @@ def embedded_source() -> shards.ArraySource:
 
   return shards.ArraySource(EMBEDDED_DATASET, [str(n) for n in arrays['label_names']], load_split,
                      _grey_to_rgb)
+
+
+def segmentation_source() -> shards.ArraySource:
+  """The canvases of the embedded data's `train` and `test` items (vit_jax/data/segmentation.py),
+  each labelled per pixel: (56, 56) masks of 11 classes, 'background' first."""
+  arrays = _embedded_arrays()
+
+  def load_split(name):
+    if name not in segmentation.SPLIT_STREAMS:
+      raise ValueError(f'{SEGMENTATION_DATASET} has splits train and test, not {name!r}: set '
+                       'config.train_split / config.test_split accordingly.')
+    return segmentation.split_of(arrays, name)
+
+  label_names = segmentation.background_and([str(n) for n in arrays['label_names']])
+  return shards.ArraySource(SEGMENTATION_DATASET, label_names, load_split, _grey_to_rgb,
+                            per_pixel_labels=True)
 
 
 def decode_image_file(path: tf.Tensor) -> tf.Tensor:
@@ -271,6 +290,8 @@ def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '')
 def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffer):
   if dataset == EMBEDDED_DATASET:
     return embedded_source()
+  if dataset == SEGMENTATION_DATASET:
+    return segmentation_source()
   if os.path.isdir(os.path.expanduser(dataset)):
     return FolderSource(os.path.expanduser(dataset), skip_bad_images)
   if dataset.startswith(('.', '/', '~')) or dataset.endswith('/'):  # Not a tfds name.

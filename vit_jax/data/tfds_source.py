@@ -30,6 +30,7 @@ class TfdsSource:
   Read sequentially: a process reads its own share (`tfds.even_splits`), shuffled with a buffer.
   """
   random_access = False
+  per_pixel_labels = False
 
   def __init__(self, name: str, data_dir: Optional[str], manual_dir: Optional[str],
                shuffle_buffer: int):

@@ -4,9 +4,10 @@
 
 TYPES maps each type to its class: 'classification' (accuracy and loss on a split,
 evaluators/classification.py), 'mpp' (masked patch prediction's loss and accuracy,
-evaluators/mpp.py) and 'fewshot' (linear k-shot accuracy of the frozen features,
-evaluators/fewshot.py). An entry's type None is the objective's (its task's `evaluator`,
-vit_jax.tasks): 'mpp' under masked_patch_prediction, else 'classification'. Each evaluator
+evaluators/mpp.py), 'segmentation' (pixel accuracy and mean IoU, evaluators/segmentation.py)
+and 'fewshot' (linear k-shot accuracy of the frozen features, evaluators/fewshot.py). An entry's
+type None is the objective's (its task's `evaluator`, vit_jax.tasks): 'mpp' under
+masked_patch_prediction, 'segmentation' under segmentation, else 'classification'. Each evaluator
 names its metrics after its entry (NAME_accuracy, NAME/DATASET_5shot), so that the default
 entries 'test', 'val' and 'fewshot' report what they always have. The training loop runs the
 evaluators that are due (`is_due`), on the params and, where the run keeps one, on their EMA.
@@ -24,6 +25,7 @@ from vit_jax.config import checks
 from vit_jax.evaluators import classification
 from vit_jax.evaluators import fewshot
 from vit_jax.evaluators import mpp
+from vit_jax.evaluators import segmentation
 
 
 class Evaluator(Protocol):
@@ -41,6 +43,7 @@ class Evaluator(Protocol):
 
 TYPES = {'classification': classification.ClassificationEvaluator,
          'mpp': mpp.MppEvaluator,
+         'segmentation': segmentation.SegmentationEvaluator,
          'fewshot': fewshot.FewshotEvaluator}
 
 

@@ -38,13 +38,10 @@ def unmasked_rows(examples: dict[str, jax.Array]) -> tuple[np.ndarray, np.ndarra
   return examples['scores'][keep], examples['labels'][keep] > 0
 
 
-def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
-  """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
-  as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
-  {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
-  mpp.make_eval_step. Where the step returns per-example arrays (supervised.EXAMPLES:
-  multi-label data), they are kept on the host, and {name}_mAP is the mean average precision
-  of all examples (supervised.mean_average_precision)."""
+def summed(eval_step, params, config, mesh: Mesh) -> tuple[dict, list]:
+  """(what `eval_step(params, batch)` sums, summed over the whole of config.test_split, as numpy
+  arrays on the host; the `unmasked_rows` of each batch where the step also returns
+  per-example arrays, supervised.EXAMPLES (multi-label data), else [])."""
   from vit_jax.data import pipeline
   totals, examples, pacer = None, [], hardware.Pacer()
   for batch in pipeline.get_eval_iterator(config, mesh):
@@ -52,7 +49,17 @@ def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[
     if supervised.EXAMPLES in sums:
       examples.append(unmasked_rows(sums.pop(supervised.EXAMPLES)))
     totals = pacer.step(sums if totals is None else added(totals, sums))
-  totals = jax.device_get(totals)
+  return jax.device_get(totals), examples
+
+
+def evaluate(eval_step, params, config, mesh: Mesh, name: str = 'test') -> dict[str, float]:
+  """The means over the whole of config.test_split of what `eval_step(params, batch)` sums,
+  as {name}_METRIC: {name}_accuracy, {name}_top5_accuracy (more than TOP_K classes) and
+  {name}_loss of supervised.make_eval_step, or {name}_mpp_loss and {name}_mpp_accuracy of
+  mpp.make_eval_step. Where the step returns per-example arrays (supervised.EXAMPLES:
+  multi-label data), they are kept on the host, and {name}_mAP is the mean average precision
+  of all examples (supervised.mean_average_precision)."""
+  totals, examples = summed(eval_step, params, config, mesh)
   metrics = {f'{name}_{EVAL_NAMES.get(key, key)}': float(total / totals['count'])
              for key, total in totals.items() if key != 'count'}
   if examples:
@@ -89,6 +96,16 @@ def data_config(entry: ml_collections.ConfigDict,
       config[field] = entry[field]
   config.pp.update(entry.get('pp') or {})
   return config
+
+
+def objective_error(where: str, kind: str, objective: str,
+                    config: ml_collections.ConfigDict) -> str | None:
+  """Why an entry of type `kind`, which evaluates models trained with `objective` only, cannot
+  run in the run of `config`, or None where it can; one line."""
+  if config.objective == objective:
+    return None
+  return (f'{where}.type={kind!r} evaluates a model trained with --config.objective={objective}; '
+          f"this run's objective is {config.objective!r}: use type 'classification'.")
 
 
 class ClassificationEvaluator:

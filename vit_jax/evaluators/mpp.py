@@ -5,7 +5,6 @@ config.objective='masked_patch_prediction' only; its entry takes the fields of t
 'classification' evaluator's."""
 import ml_collections
 
-from vit_jax import tasks
 from vit_jax.evaluators import classification
 from vit_jax.tasks import mpp
 
@@ -22,8 +21,4 @@ class MppEvaluator(classification.ClassificationEvaluator):
   def config_error(where: str, entry: ml_collections.ConfigDict,
                    config: ml_collections.ConfigDict) -> str | None:
     del entry
-    if tasks.for_config(config) is not mpp.TASK:
-      return (f"{where}.type='mpp' evaluates masked patch prediction, the pre-training of "
-              "--config.objective=masked_patch_prediction; this run's objective is "
-              f"{config.objective!r}: use type 'classification'.")
-    return None
+    return classification.objective_error(where, 'mpp', 'masked_patch_prediction', config)

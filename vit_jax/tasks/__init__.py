@@ -4,6 +4,7 @@ gives its loss, evaluation step and default evaluator, and names the parameters 
 
 - 'supervised' (supervised.py): classification of the labels.
 - 'masked_patch_prediction' (mpp.py): self-supervised pre-training, labels unused.
+- 'segmentation' (segmentation.py): a class per pixel, from labels per pixel.
 
     task = tasks.for_config(config)
     model = task.model(vit_model, config)
@@ -12,10 +13,12 @@ gives its loss, evaluation step and default evaluator, and names the parameters 
 import ml_collections
 
 from vit_jax.tasks import mpp
+from vit_jax.tasks import segmentation
 from vit_jax.tasks import supervised
 from vit_jax.tasks.task import Task
 
-TASKS: dict[str, Task] = {'supervised': supervised.TASK, 'masked_patch_prediction': mpp.TASK}
+TASKS: dict[str, Task] = {'supervised': supervised.TASK, 'masked_patch_prediction': mpp.TASK,
+                          'segmentation': segmentation.TASK}
 OBJECTIVES = tuple(TASKS)
 # What any task adds to the published layout: what fine-tuning drops where the model lacks it.
 EXTRA_PARAM_PREFIXES = tuple(prefix for task in TASKS.values()
@@ -45,3 +48,21 @@ def config_error(config: ml_collections.ConfigDict) -> str | None:
   if config.objective not in TASKS:
     return objective_error(config.objective)
   return TASKS[config.objective].config_error(config)
+
+
+def spec_of(config: ml_collections.ConfigDict) -> dict:
+  """What a model spec of model.npz records of the objective, for `saved_model`:
+  {'objective': name} and, for a task with a `config_section`, that section as a dict."""
+  section = for_config(config).config_section
+  return {'objective': config.objective,
+          **({section: config[section].to_dict()} if section else {})}
+
+
+def saved_model(model, spec: dict):
+  """The VisionTransformer `model` of a saved `spec` as the task of its objective wraps it
+  (`spec_of`); the model itself for specs without an objective (supervised runs, older files)."""
+  objective = spec.get('objective', 'supervised')
+  section = get(objective).config_section
+  config = ml_collections.ConfigDict({'objective': objective,
+                                      **({section: spec[section]} if section else {})})
+  return get(objective).model(model, config)

@@ -273,4 +273,4 @@ def config_error(config: ml_collections.ConfigDict) -> str | None:
 TASK = task.Task(model=lambda model, config: with_mpp(model, config.mpp.target),
                  train_loss=train_loss, eval_step=make_eval_step, evaluator='mpp',
                  needs_labels=False, extra_param_prefixes=(PARAM_PREFIX,),
-                 config_error=config_error)
+                 config_error=config_error, config_section='mpp')

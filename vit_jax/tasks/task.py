@@ -7,7 +7,8 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-# 'image' (B, H, W, 3) in [-1, 1], 'label' (B,) or multi-hot (B, C), for eval 'mask' (B,).
+# 'image' (B, H, W, 3) in [-1, 1], 'label' (B,), multi-hot (B, C) or per pixel (B, H, W); for
+# eval 'mask' (B,).
 Batch = dict[str, jax.Array]
 # loss_fn(params, batch, rng) -> (the mean loss of the batch, {metric name: batch mean}).
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -31,6 +32,9 @@ class Task:
     extra_param_prefixes: the first names of the parameters the task adds to the published
       layout; fine-tuning a supervised model from its checkpoint drops them.
     config_error: config -> why the task's fields cannot work, or None; one line.
+    per_pixel_labels: whether the batches label each pixel, (B, H, W), not each image, (B,).
+    config_section: the config field (a ConfigDict) that `model` reads, saved with the model
+      spec of model.npz so that the module can be rebuilt from the file alone; None: none.
   """
   model: Callable[[nn.Module, ml_collections.ConfigDict], nn.Module]
   train_loss: Callable[[nn.Module, ml_collections.ConfigDict], LossFn]
@@ -39,3 +43,5 @@ class Task:
   needs_labels: bool
   extra_param_prefixes: tuple[str, ...]
   config_error: Callable[[ml_collections.ConfigDict], str | None]
+  per_pixel_labels: bool = False
+  config_section: str | None = None

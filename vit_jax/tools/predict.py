@@ -19,18 +19,26 @@ those a training run saved with it; a published file needs
 the number of classes and the representation size then come from its parameters.
 A missing file or an image that cannot be decoded is reported by name, the other images are still
 classified, and the exit status is 1.
+
+A segmentation model (a run of --config.objective=segmentation) classifies every pixel: for each
+image it prints the classes that cover the most pixels, with their share, and with --masks DIR
+writes DIR/NAME.png, the class id of each pixel (grey levels 0 to C - 1).
 """
 import argparse
+import os
 import sys
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
 from vit_jax import console
 from vit_jax.checkpoints import runs
 from vit_jax.data import image_files
 from vit_jax.models import blank
+from vit_jax.tasks import segmentation
 
 BATCH_SIZE = 16
 
@@ -78,7 +86,32 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                       help='pixels, 384, or HEIGHTxWIDTH, 224x320; default: the resolution the '
                       "model was trained at (its run's record, or its position embeddings')")
   parser.add_argument('--top', type=int, default=5, help='classes printed per image')
+  parser.add_argument('--masks', help='for a segmentation model: a folder to write each '
+                      "image's predicted classes to, as NAME.png")
   return parser.parse_args(argv)
+
+
+def predictor(model, activation=jax.nn.softmax):
+  """(params, images (B, H, W, 3)) -> (scores (B, C), class maps): a classifier's
+  probabilities (`activation` of its logits: softmax, or sigmoid for a model trained with the
+  sigmoid loss) and None, or for a segmentation model the share of the pixels predicted as each
+  class and the predicted class of each pixel, int32 (B, H, W); jitted."""
+
+  def predict(params, images):
+    logits = model.apply({'params': params}, images, train=False)
+    if not isinstance(model, segmentation.SegmentationViT):
+      return activation(logits), None
+    classes = jnp.argmax(logits, -1)
+    return jnp.mean(jax.nn.one_hot(classes, model.num_classes), axis=(1, 2)), classes
+
+  return jax.jit(predict)
+
+
+def write_mask(folder: str, path: str, classes: np.ndarray) -> None:
+  """Writes the class map (H, W) of the image at `path` as FOLDER/NAME.png, 8-bit grey."""
+  os.makedirs(folder, exist_ok=True)
+  name = os.path.splitext(os.path.basename(path))[0]
+  Image.fromarray(classes.astype(np.uint8)).save(os.path.join(folder, f'{name}.png'))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -103,14 +136,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr)
       failed = True
-  classify = jax.jit(lambda p, x: activation(model.apply({'params': p}, x, train=False)))
+  predict = predictor(model, activation)
+  per_pixel = isinstance(model, segmentation.SegmentationViT)
   paths = list(images)
   for start in range(0, len(paths), BATCH_SIZE):
     batch = paths[start:start + BATCH_SIZE]
-    probabilities = np.asarray(classify(params, np.stack([images[p] for p in batch])))
-    for path, p in zip(batch, probabilities):
-      print(f'{path} ({blank.size_text(image_size)} px):')
-      print('\n'.join(top_k(p, labels, args.top)))
+    scores, maps = jax.device_get(predict(params, np.stack([images[p] for p in batch])))
+    for i, path in enumerate(batch):
+      print(f'{path} ({blank.size_text(image_size)} px'
+            f'{", pixels per class" if per_pixel else ""}):')
+      print('\n'.join(top_k(scores[i], labels, args.top)))
+      if per_pixel and args.masks:
+        write_mask(args.masks, path, maps[i])
   return 1 if failed else 0
 
 

@@ -1,5 +1,6 @@
-"""What a run checks and says of its dataset before anything compiles: that it reads and has two
-classes or more (`check_data`, `check_classes`), one line naming it with its image counts and
+"""What a run checks and says of its dataset before anything compiles: that it reads, has two
+classes or more and labels what the objective needs, images or pixels (`check_data`,
+`check_classes`, `check_label_kind`), one line naming it with its image counts and
 classes (`dataset_line`), and a warning where each image would be seen too often
 (`warn_of_repetition`).
 """
@@ -40,6 +41,20 @@ def check_classes(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo)
         'classifier needs 2 or more. Use a dataset of several classes (an image folder: one '
         'folder per class, DIR/train/<class>/ and DIR/test/<class>/), or pre-train without '
         'labels with --config.objective=masked_patch_prediction.')
+
+
+def check_label_kind(config: ml_collections.ConfigDict, info: pipeline.DatasetInfo) -> None:
+  """Raises ConfigError where the objective labels each pixel and the dataset each image, or
+  the other way round."""
+  per_pixel = tasks.for_config(config).per_pixel_labels
+  if per_pixel == info.per_pixel_labels or not tasks.for_config(config).needs_labels:
+    return
+  has, needs = ('a label per image', 'per pixel') if per_pixel else ('labels per pixel',
+                                                                     'per image')
+  raise ConfigError(
+      f'config.dataset={config.dataset!r} has {has}, and config.objective={config.objective!r} '
+      f'needs them {needs}: use a dataset of that kind (e.g. fashion_mnist_segmentation for '
+      'segmentation, fashion_mnist_embedded for classification), or the matching objective.')
 
 
 SHOWN_CLASS_NAMES = 5  # Class names the dataset line shows; '...' for the rest.

@@ -133,12 +133,16 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
 def abstract_batch(config, mesh: Mesh, evaluation: bool = False, multi_hot: int = 0) -> Batch:
   """The batches of the input pipeline as ShapeDtypeStructs split along 'data' over `mesh`:
   {'image': float32 (B, H, W, 3), 'label': int32 (B,)}, B = config.batch, (H, W) the sides of
-  config.pp.crop, or with `multi_hot` C > 0 (multi-label data of C classes) 'label' float32
-  (B, C); for `evaluation`, B = config.batch_eval and with 'mask': float32 (B,)."""
+  config.pp.crop; with `multi_hot` C > 0 (multi-label data of C classes) 'label' float32 (B, C),
+  and where the objective labels each pixel 'label' int32 (B, H, W); for `evaluation`, B =
+  config.batch_eval and with 'mask': float32 (B,)."""
   size, (h, w) = (config.batch_eval if evaluation else config.batch), blank.image_hw(config.pp.crop)
   split = NamedSharding(mesh, P('data'))
-  label = (jax.ShapeDtypeStruct((size, multi_hot), jnp.float32, sharding=split) if multi_hot
-           else jax.ShapeDtypeStruct((size,), jnp.int32, sharding=split))
+  if multi_hot:
+    label = jax.ShapeDtypeStruct((size, multi_hot), jnp.float32, sharding=split)
+  else:
+    per_pixel = tasks.for_config(config).per_pixel_labels
+    label = jax.ShapeDtypeStruct((size, h, w) if per_pixel else (size,), jnp.int32, sharding=split)
   batch = {'image': jax.ShapeDtypeStruct((size, h, w, 3), jnp.float32, sharding=split),
            'label': label}
   if evaluation:

@@ -17,6 +17,7 @@ import ml_collections
 
 from vit_jax import evaluators
 from vit_jax import hardware
+from vit_jax import tasks
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import runs
@@ -84,6 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate_config(config, jax.device_count())
   info = dataset_checks.check_data(config, '')
   dataset_checks.check_classes(config, info)
+  dataset_checks.check_label_kind(config, info)
   logging.info('%s', dataset_checks.dataset_line(config, info))
   dataset_checks.warn_of_repetition(config, info)
   mesh = make_mesh(config)
@@ -149,15 +151,17 @@ def write_model(state: TrainState, model, config: ml_collections.ConfigDict, wor
            label_names: list[str]) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec,
   the dataset's class names (`label_names`, in label order: what `predict` prints), the
-  (height, width) the model was trained at (`runs.native_image_size` reads it) and config.loss
-  (`loss`: how `predict` turns logits into probabilities); with an EMA, model.npz holds the
+  (height, width) the model was trained at (`runs.native_image_size` reads it), config.loss
+  (`loss`: how `predict` turns logits into probabilities) and the objective (`tasks.spec_of`:
+  what `runs.load_model` rebuilds); with an EMA, model.npz holds the
   EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
   spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
-          'image_size': list(blank.image_hw(config.pp.crop)), 'loss': config.loss}
+          'image_size': list(blank.image_hw(config.pp.crop)), 'loss': config.loss,
+          **tasks.spec_of(config)}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)

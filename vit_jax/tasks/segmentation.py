@@ -1,0 +1,177 @@
+"""Semantic segmentation, `config.objective = 'segmentation'`: a class for every pixel.
+
+The head is the linear decoder of Segmenter (Strudel et al., 2021), the simplest of the
+Segmenter and SETR family: the encoder's final, LayerNormed patch tokens as a (B, H/P, W/P, D)
+map (the class token, where the model has one, left out), one Dense layer `seg_head` to C logits
+per patch, and a bilinear upsampling of those logits to the (B, H, W, C) pixels. Its parameters
+(PARAM_PREFIX, the task's `extra_param_prefixes`) replace the classifier's `head`, which the model
+does not have; fine-tuning from a classification checkpoint drops that head and starts `seg_head`
+afresh, and a classifier fine-tuned from a segmentation run drops `seg_head`.
+
+The batches label each pixel: 'label' int (B, H, W), class ids in [0, C), or
+`config.seg.ignore_label` (default 255, as the PNG masks of Pascal VOC mark unlabelled pixels)
+for pixels that count nowhere. The loss is the per-pixel softmax cross-entropy (smoothed by
+config.label_smoothing) averaged over the labelled pixels of the batch. Evaluation sums the
+confusion matrix of the labelled pixels (`confusion`); from it `scores` gives the pixel accuracy
+and the mean IoU over the classes present in the labels or the predictions.
+"""
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from vit_jax.models import vit
+from vit_jax.sharding import with_axes
+from vit_jax.tasks import task
+
+PARAM_PREFIX = 'seg_'  # Names of the parameters segmentation adds to the published layout.
+
+
+class SegmentationViT(vit.VisionTransformer):
+  """A VisionTransformer whose output is per-pixel logits (B, H, W, num_classes), float32.
+
+  Its parameters are the VisionTransformer's without `head` (`pre_logits` kept where the model
+  has one, for `features`), and `seg_head` (D -> num_classes) on the patch tokens.
+  """
+
+  def segment(self, tokens: jax.Array, grid: tuple[int, int],
+              image_size: tuple[int, int]) -> jax.Array:
+    """(B, T, D) encoder outputs of patches on `grid` -> float32 logits (B, H, W, num_classes)
+    for images of `image_size` (H, W): `seg_head` per patch, upsampled bilinearly."""
+    patches = tokens[:, int(self.has_class_token):]
+    maps = vit.reshape_rows(patches, *grid, patches.shape[-1])
+    head = nn.Dense(self.num_classes, dtype=self.dtype, name=PARAM_PREFIX + 'head',
+                    kernel_init=with_axes(nn.initializers.zeros, 'embed', 'classes'),
+                    bias_init=with_axes(nn.initializers.zeros, 'classes'))
+    return upsample(head(maps).astype(jnp.float32), image_size)
+
+  @nn.compact
+  def __call__(self, images, *, train, head=True):
+    """Per-pixel logits (B, H, W, num_classes); with `head=False` the VisionTransformer's pooled
+    `features` instead (what few-shot evaluation and `features` read)."""
+    patches, grid = self.embed_patches(images)
+    tokens = self.encode(self.add_class_token(patches), grid, train=train)
+    if not head:
+      return self.pool_and_classify(tokens, head=False)
+    if self.is_initializing():
+      self.pool_and_classify(tokens, head=False)  # Declares pre_logits, where the model has it.
+    return self.segment(tokens, grid, images.shape[1:3])
+
+
+def bilinear_weights(size: int, grid: int) -> np.ndarray:
+  """float32 (size, grid): row i the weights of the `grid` cells at pixel i of `size`, bilinear
+  with half-pixel centres and the edge cells extended (jax.image.resize's 'bilinear' when
+  enlarging)."""
+  centres = np.clip((np.arange(size) + 0.5) * grid / size - 0.5, 0, grid - 1)
+  low = np.floor(centres).astype(int)
+  high = np.minimum(low + 1, grid - 1)
+  weights = np.zeros((size, grid), np.float32)
+  np.add.at(weights, (np.arange(size), low), 1 - (centres - low))
+  np.add.at(weights, (np.arange(size), high), centres - low)
+  return weights
+
+
+def upsample(maps: jax.Array, image_size: tuple[int, int]) -> jax.Array:
+  """(B, rows, columns, C) -> (B, H, W, C), bilinear: one product per axis with the constant
+  `bilinear_weights`, which XLA:CPU runs in about half the time of jax.image.resize's (that
+  computes its weights in the step, with its gradient)."""
+  rows = bilinear_weights(image_size[0], maps.shape[1])
+  columns = bilinear_weights(image_size[1], maps.shape[2])
+  return jnp.einsum('Ww,bHwc->bHWc', columns, jnp.einsum('Hh,bhwc->bHwc', rows, maps))
+
+
+def with_segmentation(model: vit.VisionTransformer) -> SegmentationViT:
+  """`model` as a SegmentationViT of its num_classes."""
+  fields = {f: getattr(model, f) for f in vit.VisionTransformer.__dataclass_fields__
+            if f not in ('parent', 'name')}
+  return SegmentationViT(**fields)
+
+
+def pixel_losses(logits: jax.Array, labels: jax.Array, ignore_label: int,
+                 label_smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """(loss, labelled), each float32 (B, H, W), of logits (B, H, W, C) against int labels
+  (B, H, W): the softmax cross-entropy (of targets smoothed by `label_smoothing`), 0 where the
+  label is `ignore_label`, and 1 where a pixel is labelled, 0 where it is ignored."""
+  labelled = labels != ignore_label
+  safe = jnp.where(labelled, labels, 0)
+  if label_smoothing:
+    targets = optax.smooth_labels(jax.nn.one_hot(safe, logits.shape[-1]), label_smoothing)
+    loss = optax.softmax_cross_entropy(logits, targets)
+  else:  # Without the one-hot targets: the faster form.
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+  labelled = labelled.astype(jnp.float32)
+  return loss * labelled, labelled
+
+
+def confusion(labels: jax.Array, predicted: jax.Array, weights: jax.Array,
+              num_classes: int) -> jax.Array:
+  """float32 (C, C): entry [k, j] the summed `weights` (B, H, W) of the pixels labelled k and
+  predicted j (labels and predictions int (B, H, W); labels outside [0, C) count nowhere)."""
+  truth = jax.nn.one_hot(labels, num_classes) * weights[..., None]
+  return jnp.einsum('bhwk,bhwj->kj', truth, jax.nn.one_hot(predicted, num_classes))
+
+
+def scores(confusion_matrix: np.ndarray) -> tuple[float, float]:
+  """(pixel accuracy, mean IoU) of a (C, C) confusion matrix (`confusion`, summed over the
+  batches). Class k's IoU is the pixels labelled and predicted k over those labelled or
+  predicted k; the mean is over the classes with any such pixel (NaN without pixels)."""
+  matrix = np.asarray(confusion_matrix, np.float64)
+  hits = np.diag(matrix)
+  union = matrix.sum(0) + matrix.sum(1) - hits
+  present = union > 0
+  accuracy = hits.sum() / matrix.sum() if matrix.sum() else float('nan')
+  miou = np.mean(hits[present] / union[present]) if present.any() else float('nan')
+  return float(accuracy), float(miou)
+
+
+def train_loss(model: SegmentationViT, config: ml_collections.ConfigDict) -> task.LossFn:
+  """loss_fn(params, batch, rng) -> (the mean cross-entropy of the batch's labelled pixels,
+  {'pixel_accuracy': the share of them predicted right}), dropout drawn from `rng`."""
+
+  def loss_fn(params: Any, batch: task.Batch, rng: jax.Array):
+    logits = model.apply({'params': params}, batch['image'], train=True, rngs={'dropout': rng})
+    loss, labelled = pixel_losses(logits, batch['label'], config.seg.ignore_label,
+                                  config.label_smoothing)
+    pixels = jnp.maximum(jnp.sum(labelled), 1)
+    hits = (jnp.argmax(logits, -1) == batch['label']) * labelled
+    return jnp.sum(loss) / pixels, {'pixel_accuracy': jnp.sum(hits) / pixels}
+
+  return loss_fn
+
+
+def make_eval_step(model: SegmentationViT,
+                   config: ml_collections.ConfigDict) -> task.EvalStep:
+  """eval(params, batch) -> sums over the labelled pixels of the unmasked examples: 'confusion'
+  (C, C) (`confusion`), 'loss' (cross-entropy), 'pixels', and 'count' (examples)."""
+
+  def eval_step(params: Any, batch: task.Batch):
+    logits = model.apply({'params': params}, batch['image'], train=False)
+    loss, labelled = pixel_losses(logits, batch['label'], config.seg.ignore_label)
+    weights = labelled * batch['mask'][:, None, None]
+    return {'confusion': confusion(batch['label'], jnp.argmax(logits, -1), weights,
+                                   model.num_classes),
+            'loss': jnp.sum(loss * weights), 'pixels': jnp.sum(weights),
+            'count': jnp.sum(batch['mask'])}
+
+  return eval_step
+
+
+def config_error(config: ml_collections.ConfigDict) -> str | None:
+  """Why the config cannot train a segmentation, or None where it can; one line."""
+  if config.mixup.p:
+    return (f'config.mixup.p={config.mixup.p} mixes images, but segmentation has one label per '
+            'pixel to mix with them: set --config.mixup.p=0.')
+  if config.pp.get('randaug'):
+    return (f'config.pp.randaug={tuple(config.pp.randaug)} rotates, shears and shifts the image '
+            'but not its per-pixel labels: set --config.pp.randaug=None for segmentation.')
+  return None
+
+
+TASK = task.Task(model=lambda model, config: with_segmentation(model), train_loss=train_loss,
+                 eval_step=make_eval_step, evaluator='segmentation', needs_labels=True,
+                 extra_param_prefixes=(PARAM_PREFIX,), config_error=config_error,
+                 per_pixel_labels=True)
