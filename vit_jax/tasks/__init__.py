@@ -63,6 +63,9 @@ def saved_model(model, spec: dict):
   (`spec_of`); the model itself for specs without an objective (supervised runs, older files)."""
   objective = spec.get('objective', 'supervised')
   section = get(objective).config_section
+  # What the task's model reads of the run's config: its section, and config.loss (the head's
+  # bias init; files without one were trained with the softmax loss).
   config = ml_collections.ConfigDict({'objective': objective,
+                                      'loss': spec.get('loss', 'softmax_xent'),
                                       **({section: spec[section]} if section else {})})
   return get(objective).model(model, config)
