@@ -1,8 +1,8 @@
 """Input pipeline: preprocessed, sharded, resumable batches of images.
 
-Sources (`config.dataset`, see `input_pipeline_sources.py`): `'fashion_mnist_embedded'` (ships with
-the package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,png,bmp,gif,webp}`, or a tfds
-name.
+Sources (`config.dataset`, see `sources.py`): `'fashion_mnist_embedded'` (ships with the
+package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,png,bmp,gif,webp}` (or, labelled
+per pixel, `DIR/{train,test}/{images,masks}/`), or a tfds name.
 
 Order. Training examples come from an endless stream of epochs, each epoch in an order drawn from
 the seed and the epoch number; the random augmentation of the example at position `g` of the
@@ -161,7 +161,7 @@ def train_dataset(config, *, process_index: int, process_count: int,
 
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
-    image, label = shard.decode(record['image']), record['label']
+    image, label = shard.decode(record['image']), shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Cropped, resized and flipped with the image.
       image, label = image_ops.preprocess_train_per_pixel(image, label, key, config.pp)
     else:
@@ -191,7 +191,7 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
 
   def preprocess(record):
-    image, label = shard.decode(record['image']), record['label']
+    image, label = shard.decode(record['image']), shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Sized as the image is.
       image, label = image_ops.preprocess_eval_per_pixel(image, label, config.pp)
     else:

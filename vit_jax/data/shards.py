@@ -26,13 +26,21 @@ class Shard:
     num_examples: number of examples in the share.
     epoch: `key -> tf.data.Dataset` of one pass over the share as records
       `{'image': undecoded image, 'label': int64 () class, int64 (C,) multi-hot of a
-      multi-label source, or int64 (height, width) per pixel}`; shuffled by the stateless key
-      (int64 (2,)) or, for `key=None`, in the stored order.
+      multi-label source, or per pixel int64 (height, width) or the string path of a mask
+      file}`; shuffled by the stateless key (int64 (2,)) or, for `key=None`, in the stored order.
     decode: undecoded image -> uint8 (height, width, 3).
+    decode_label: a record's label -> the label as preprocessing takes it: the labels per pixel
+      (height, width) of a mask file's path; the label itself for all others.
   """
   num_examples: int
   epoch: Callable[[Optional[tf.Tensor]], tf.data.Dataset]
   decode: Callable[[tf.Tensor], tf.Tensor]
+  decode_label: Callable[[tf.Tensor], tf.Tensor]
+
+
+def stored_label(label: tf.Tensor) -> tf.Tensor:
+  """The `decode_label` of labels held as they are used: the label itself."""
+  return label
 
 
 def as_written(fn: Callable) -> Callable:
@@ -71,20 +79,23 @@ class ArraySource:
   Items are what `decode` turns into an image: uint8 grey images for the embedded dataset, file
   paths for image folders. Labels are int class indices (N,), for a `multi_label` source
   multi-hot rows (N, C), or with `per_pixel_labels` one per pixel of the decoded image (N,
-  height, width). The epoch order is a stateless permutation of the share.
+  height, width), or the paths of mask files (N,) that `decode_label` reads. The epoch order is a
+  stateless permutation of the share.
   """
   random_access = True
 
   def __init__(self, name: str, label_names: list[str],
                load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
                decode: Callable[[tf.Tensor], tf.Tensor], multi_label: bool = False,
-               per_pixel_labels: bool = False):
+               per_pixel_labels: bool = False,
+               decode_label: Callable[[tf.Tensor], tf.Tensor] = stored_label):
     self.name = name
     self.label_names = label_names
     self.multi_label = multi_label
     self.per_pixel_labels = per_pixel_labels
     self._load_split = functools.cache(load_split)
     self._decode = decode
+    self._decode_label = decode_label
 
   def select(self, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(items, labels) of a split string, e.g. `'train[:98%]'`."""
@@ -127,15 +138,18 @@ class ArraySource:
     items = tf.constant(items[start:end])
     labels = tf.constant(labels[start:end])  # Cast per record: masks stay uint8 here.
 
+    def label(i):  # A path stays as it is, for decode_label to read.
+      stored = tf.gather(labels, i)
+      return stored if stored.dtype == tf.string else tf.cast(stored, tf.int64)
+
     def epoch(key):
       order = tf.range(end - start)
       if key is not None:
         order = tf.random.experimental.stateless_shuffle(order, seed=key)
       return tf.data.Dataset.from_tensor_slices(order).map(as_written(
-          lambda i: {'image': tf.gather(items, i),
-                     'label': tf.cast(tf.gather(labels, i), tf.int64)}))
+          lambda i: {'image': tf.gather(items, i), 'label': label(i)}))
 
-    return Shard(end - start, epoch, self._decode)
+    return Shard(end - start, epoch, self._decode, self._decode_label)
 
   def check_decodable(self, split: str) -> None:
     """Raises the `decode_error` of the first image of `split` that does not decode; arrays of

@@ -12,10 +12,12 @@ import collections
 import csv
 import functools
 import os
+import re
 from typing import Iterator, Optional
 
 from absl import logging
 import numpy as np
+from PIL import Image
 import tensorflow as tf
 
 from vit_jax.data import segmentation
@@ -31,6 +33,11 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.d
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
 # DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
 LABELS_CSV = 'labels.csv'
+# An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
+# DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids, MASK_IGNORE where unlabelled;
+# DIR/CLASSES_TXT, where it exists, names the classes, line i class i.
+IMAGES, MASKS, CLASSES_TXT = 'images', 'masks', 'classes.txt'
+MASK_IGNORE = 255  # config.seg.ignore_label's default.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
@@ -210,6 +217,86 @@ def _list_csv_images(directory: str, rows: dict[str, list[str]], split: str,
   return paths[order], labels[order]
 
 
+def is_mask_folder(directory: str) -> bool:
+  """Whether `directory` is an image folder labelled per pixel: DIR/train/{IMAGES,MASKS}/."""
+  return all(os.path.isdir(os.path.join(directory, 'train', d)) for d in (IMAGES, MASKS))
+
+
+def _check_mask_file(image: str, mask: str) -> None:
+  """A DataError naming `mask` where it is not an 8-bit greyscale PNG the size of `image`; reads
+  the files' headers only."""
+  with Image.open(image) as pixels, Image.open(mask) as ids:
+    if ids.format != 'PNG' or ids.mode != 'L':
+      raise shards.DataError(
+          f'The mask {mask} is a {ids.format} image of mode {ids.mode}; a mask is an 8-bit '
+          'greyscale PNG (mode L) of class ids, e.g. PIL.Image.fromarray(ids.astype(np.uint8)).')
+    if ids.size != pixels.size:
+      raise shards.DataError(f'The mask {mask} is {ids.size[0]}x{ids.size[1]} px, its image '
+                             f'{image} {pixels.size[0]}x{pixels.size[1]}: give them one size.')
+
+
+def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+  """Paths of the images of `directory`/`split`/IMAGES and of their masks (relative to
+  `directory`: the labels, which mask_decoder reads), in a fixed order; a FileNotFoundError
+  naming an image without its mask, a DataError naming a mask unlike its image."""
+  images_dir, masks_dir = (os.path.join(directory, split, d) for d in (IMAGES, MASKS))
+  for folder in (images_dir, masks_dir):
+    if not os.path.isdir(folder):
+      raise FileNotFoundError(f'{folder} does not exist: an image folder labelled per pixel '
+                              f'needs DIR/<split>/{IMAGES}/ and DIR/<split>/{MASKS}/.')
+  names = sorted(os.listdir(images_dir))
+  check_utf8_names(images_dir, names)
+  files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
+  if not files:
+    raise ValueError(f'{images_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images.')
+  images = [os.path.join(images_dir, f) for f in files]
+  masks = [os.path.join(split, MASKS, os.path.splitext(f)[0] + '.png') for f in files]
+  missing = [i for i, mask in enumerate(masks) if not os.path.isfile(os.path.join(directory, mask))]
+  if missing:
+    raise FileNotFoundError(
+        f'The image {images[missing[0]]} has no mask {os.path.join(directory, masks[missing[0]])} '
+        f'({len(missing)} image(s) of {images_dir} lack one): add an 8-bit PNG of class ids per '
+        f'pixel ({MASK_IGNORE} where unlabelled).')
+  for image, mask in zip(images, masks):
+    _check_mask_file(image, os.path.join(directory, mask))
+  order = np.random.default_rng(_FILE_ORDER_SEED).permutation(len(files))
+  return np.array(images)[order], np.array(masks)[order]
+
+
+def mask_class_names(directory: str, train_masks: np.ndarray) -> list[str]:
+  """The lines of `directory`/CLASSES_TXT; without it, 'class 0' to 'class K', K the largest id
+  (other than MASK_IGNORE) of the `train_masks` (paths relative to `directory`), all read."""
+  path = os.path.join(directory, CLASSES_TXT)
+  if os.path.isfile(path):
+    with open(path, encoding='utf-8') as f:
+      return [line.strip() for line in f.read().strip('\n').split('\n')]
+  largest = 0
+  for mask in train_masks:
+    with Image.open(os.path.join(directory, mask)) as ids:
+      ids = np.asarray(ids)
+    largest = max(largest, int(ids[ids != MASK_IGNORE].max(initial=0)))
+  logging.info('%s has no %s: read its %d train masks, classes 0-%d (name them in %s, one a '
+               'line, to skip this).', directory, CLASSES_TXT, len(train_masks), largest, path)
+  return [f'class {i}' for i in range(largest + 1)]
+
+
+_MASK_ERROR = re.compile(r'assertion failed: \[(The mask .*?)\]')
+
+
+def mask_decoder(directory: str, num_classes: int):
+  """`decode_label` of masks: a mask's path relative to `directory` -> uint8 (height, width) class
+  ids; an error naming the file where an id is neither < `num_classes` nor MASK_IGNORE."""
+  def decode(mask: tf.Tensor) -> tf.Tensor:
+    path = tf.strings.join([directory, mask], os.sep)
+    ids = tf.io.decode_png(tf.io.read_file(path), channels=1)[..., 0]
+    known = tf.reduce_all((ids < num_classes) | (ids == MASK_IGNORE))
+    message = tf.strings.join(['The mask ', path, f' has a class id of {num_classes} or more '
+                               f'(not {MASK_IGNORE}, unlabelled): it has {num_classes} classes'])
+    with tf.control_dependencies([tf.debugging.Assert(known, [message])]):
+      return tf.identity(ids)
+  return decode
+
+
 def _drop_undecodable(split_dir: str, paths: np.ndarray,
                       labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Removes the files that cannot be decoded, and logs how many and which."""
@@ -225,12 +312,20 @@ def _drop_undecodable(split_dir: str, paths: np.ndarray,
 class FolderSource(shards.ArraySource):
   """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`, classes sorted by name; or,
   where `directory`/LABELS_CSV exists, multi-label: the images it lists, each with its classes
-  (those of the train split's images, sorted by name), as multi-hot labels."""
+  (those of the train split's images, sorted by name), as multi-hot labels; or, where
+  `is_mask_folder`, labelled per pixel: the images of `<split>`/IMAGES, each with its mask in
+  `<split>`/MASKS, classes named by `mask_class_names`."""
 
   def __init__(self, directory: str, skip_bad_images: bool):
     self._skip_bad_images = skip_bad_images
     multi_label = os.path.isfile(os.path.join(directory, LABELS_CSV))
-    if multi_label:
+    per_pixel = is_mask_folder(directory)
+    decode_label = shards.stored_label
+    if per_pixel:
+      list_images = functools.cache(lambda name: _list_masked_images(directory, name))
+      train_classes = mask_class_names(directory, list_images('train')[1])
+      decode_label = mask_decoder(directory, len(train_classes))
+    elif multi_label:
       rows = read_labels_csv(directory)
       train_classes = sorted({name for names in _csv_split(directory, rows, 'train').values()
                               for name in names})
@@ -245,7 +340,8 @@ class FolderSource(shards.ArraySource):
         paths, labels = _drop_undecodable(os.path.join(directory, name), paths, labels)
       return paths, labels
 
-    super().__init__(directory, train_classes, load_split, decode_image_file, multi_label)
+    super().__init__(directory, train_classes, load_split, decode_image_file, multi_label,
+                     per_pixel, decode_label)
 
   def _item_bytes(self, items: np.ndarray) -> bytes:
     start = len(os.path.join(self.name, ''))  # The folder may move; its files are the data.
@@ -261,6 +357,8 @@ class FolderSource(shards.ArraySource):
     """Names the files of `split` that do not decode, each with its own error (`error`, from a
     pipeline that read several at once, need not be the error of any one of them)."""
     bad = list(undecodable_files(self.select(split)[0]))
+    if not bad and error is not None and (mask := _MASK_ERROR.search(error.message)):
+      return shards.DataError(mask.group(1))  # The file and its fault, from mask_decoder.
     if not bad:
       return shards.DataError(f'Cannot decode an image of {self.name} split {split!r}: '
                        f'{shards.short_message(error)}')

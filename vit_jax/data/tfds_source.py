@@ -135,7 +135,7 @@ class TfdsSource:
         return records
       return records.shuffle(self._shuffle_buffer, seed=key[0], reshuffle_each_iteration=False)
 
-    return shards.Shard(self.num_examples(process_split), epoch, self.decode)
+    return shards.Shard(self.num_examples(process_split), epoch, self.decode, shards.stored_label)
 
   @staticmethod
   def decode(encoded: tf.Tensor) -> tf.Tensor:
