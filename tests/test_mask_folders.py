@@ -50,7 +50,7 @@ def folder(tmp_path):
 
 
 def config_of(folder, **overrides):
-  """The tiny segmentation config on `folder`, at 14 px (2 x 2 patches of 7) without the random crop."""
+  """The tiny segmentation config on `folder`, at 14 px (2 x 2 patches of 7), no random crop."""
   config = helpers.tiny_config(**{**dict(objective='segmentation', dataset=str(folder),
                                         test_split='test', batch=8, batch_eval=8), **overrides})
   config.pp.crop = 14
