@@ -181,8 +181,8 @@ class Checkpoints:
   def _remove_unfinished_saves(self) -> None:
     """Removes the half-written saves of a run that was killed (process 0), before the manager
     opens the folder. Orbax's own cleanup (cleanup_tmp_directories) runs in a thread that its
-    close() does not wait for: a run that stops at once, on a config error, exited while that
-    thread still ran, and its failure printed a traceback."""
+    close() does not wait for: a run that stops at once, on a config error, would exit while
+    that thread runs, and the thread's failure at exit would print a traceback."""
     if jax.process_index() != 0 or not os.path.isdir(self.directory):
       return
     for name in os.listdir(self.directory):
