@@ -19,6 +19,7 @@ from vit_jax.checkpoints import published
 from vit_jax.models import positions
 from vit_jax.models import registry
 from vit_jax import tasks
+from vit_jax.tasks import supervised
 from vit_jax.models.blank import ImageSize
 
 
@@ -176,9 +177,9 @@ def saved_label_names(path_or_workdir) -> Optional[list[str]]:
 
 def saved_loss(path_or_workdir) -> str:
   """The config.loss a training run saved in the model spec of its model.npz (under 'loss'):
-  'sigmoid_xent' or 'softmax_xent'; 'softmax_xent' for files without it (the published
-  ImageNet-1k files, and files of versions that did not save it)."""
-  return saved_spec_field(path_or_workdir, 'loss') or 'softmax_xent'
+  'sigmoid_xent' or 'softmax_xent'; tasks.supervised.DEFAULT_LOSS for files without it (the
+  published ImageNet-1k files, and files of versions that did not save it)."""
+  return saved_spec_field(path_or_workdir, 'loss') or supervised.DEFAULT_LOSS
 
 
 def saved_spec_field(path_or_workdir, field: str):

@@ -12,6 +12,7 @@ import math
 import ml_collections
 
 from vit_jax.models import registry
+from vit_jax.tasks import supervised
 
 
 # In config.fewshot.datasets: the run's own dataset, config.dataset, whatever it is set to.
@@ -77,7 +78,7 @@ def training_defaults() -> ml_collections.ConfigDict:
   config.label_smoothing = 0.0
   # 'softmax_xent' or 'sigmoid_xent' (vit_jax/tasks/supervised.py): the sigmoid one starts the
   # head's bias at -log(num_classes); either takes multi-label data.
-  config.loss = 'softmax_xent'
+  config.loss = supervised.DEFAULT_LOSS
   # Per-parameter learning rates and freezing (vit_jax/training/param_groups.py): (regex,
   # multiplier) pairs over '/'-joined parameter paths, first match wins; layer-wise decay; a
   # regex of the frozen.

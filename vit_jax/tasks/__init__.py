@@ -64,8 +64,8 @@ def saved_model(model, spec: dict):
   objective = spec.get('objective', 'supervised')
   section = get(objective).config_section
   # What the task's model reads of the run's config: its section, and config.loss (the head's
-  # bias init; files without one were trained with the softmax loss).
+  # bias init).
   config = ml_collections.ConfigDict({'objective': objective,
-                                      'loss': spec.get('loss', 'softmax_xent'),
+                                      'loss': spec.get('loss', supervised.DEFAULT_LOSS),
                                       **({section: spec[section]} if section else {})})
   return get(objective).model(model, config)

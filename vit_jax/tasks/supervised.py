@@ -54,10 +54,13 @@ def sigmoid_xent(logits: jax.Array, targets: jax.Array, label_smoothing: float =
 
 
 LOSSES = {'softmax_xent': softmax_xent, 'sigmoid_xent': sigmoid_xent}  # config.loss's values.
+# config.loss's default, and the loss of a model.npz that records none (published files, older
+# runs).
+DEFAULT_LOSS = 'softmax_xent'
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0,
-                  loss: str = 'softmax_xent'):
+                  loss: str = DEFAULT_LOSS):
   """Per-example cross-entropy (B,) of `loss` (a LOSSES name): logits (B, C) against int labels
   (B,), or rows (B, C) of multi-hot labels or soft targets (e.g. from mixup)."""
   return LOSSES[loss](logits, targets_of(labels, logits.shape[-1]), label_smoothing)
@@ -89,7 +92,7 @@ def train_loss(model: nn.Module, config: ml_collections.ConfigDict) -> task.Loss
   return loss_fn
 
 
-def make_eval_step(model: nn.Module, loss: str = 'softmax_xent') -> task.EvalStep:
+def make_eval_step(model: nn.Module, loss: str = DEFAULT_LOSS) -> task.EvalStep:
   """eval(params, batch) -> sums over the unmasked examples of the loss `loss` and count, and:
   for int labels (B,), correct (top-1) and, with more than TOP_K classes, correct_top5 (label
   among the TOP_K highest logits; with fewer classes it would count every example); for
