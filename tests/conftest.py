@@ -2,7 +2,9 @@
 before anything imports jax; shared fixtures. The helpers that test files import are in helpers.py.
 """
 import atexit
+import fcntl
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -40,13 +42,31 @@ def pytest_sessionfinish():
 
 
 @pytest.fixture(scope='session')
-def trained_run(tmp_path_factory):
+def trained_run(tmp_path_factory, worker_id):
   """(workdir, final metrics) of one run of tests/tiny_config.py (60 steps, checkpoints of steps
-  40 and 60 kept, model.npz), trained once for every test that reads what a run writes."""
+  40 and 60 kept, model.npz), trained once for every test that reads what a run writes.
+
+  Under pytest-xdist, the first worker that needs it trains it in the session's folder, which all
+  workers share, while the others wait on a file lock; then each reads the metrics it saved.
+  """
+  if worker_id == 'master':  # One process: nothing to share.
+    workdir = str(tmp_path_factory.mktemp('trained_run'))
+    return workdir, train_tiny_run(workdir)
+  shared = tmp_path_factory.getbasetemp().parent  # This session's, above each worker's own.
+  metrics_file = shared / 'trained_run_metrics.json'
+  with open(shared / 'trained_run.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not metrics_file.exists():
+      metrics = train_tiny_run(str(shared / 'trained_run'))
+      metrics_file.write_text(json.dumps({name: float(value) for name, value in metrics.items()}))
+  return str(shared / 'trained_run'), json.loads(metrics_file.read_text())
+
+
+def train_tiny_run(workdir: str) -> dict[str, float]:
+  """The final metrics of the tiny run, trained in `workdir`."""
   import helpers  # After the environment above.
   from vit_jax.training import trainer
-  workdir = str(tmp_path_factory.mktemp('trained_run'))
-  return workdir, trainer.train_and_evaluate(helpers.tiny_config(), workdir)
+  return trainer.train_and_evaluate(helpers.tiny_config(), workdir)
 
 
 def pytest_xdist_auto_num_workers(config):
