@@ -126,8 +126,15 @@ def create_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_si
   enter the jitted init as arguments, not as constants compiled into it). With a
   `config.ema_decay` the EMA starts as a copy of the initial params."""
   _, shardings = abstract_train_state(config, model, optimizer, mesh, image_size, params)
+  return initial_train_state(config, model, optimizer, shardings, image_size, params), shardings
+
+
+def initial_train_state(config, model, optimizer: Optimizer, shardings: TrainState,
+                        image_size: int, params: Any = None) -> TrainState:
+  """The state at step 0 made on the devices with `shardings` (`abstract_train_state`'s): the
+  one program that compiles its init, which a resumed run never needs."""
   init = train_state_init(config, model, optimizer, image_size)
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed), params), shardings
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed), params)
 
 
 def abstract_batch(config, mesh: Mesh, evaluation: bool = False, multi_hot: int = 0) -> Batch:

@@ -4,6 +4,7 @@ The data flows one way: config -> (dataset info, mesh, model, optimiser) -> trai
 step loop -> Orbax checkpoints in `WORKDIR/checkpoints`, TensorBoard metrics in `WORKDIR`,
 and at the end the params as `WORKDIR/model.npz` in the published format.
 """
+from collections.abc import Callable
 import logging
 import os
 import time
@@ -38,7 +39,7 @@ from vit_jax.training.setup import build_model, make_mesh
 from vit_jax.training.setup import make_eval_step  # noqa: F401  (the old train.make_eval_step)
 from vit_jax.training.state_checkpoints import Checkpoints, CheckpointSaveError
 from vit_jax.training.step import make_optimizer
-from vit_jax.training.step import TrainState, create_train_state
+from vit_jax.training.step import TrainState, abstract_train_state, initial_train_state
 
 
 class NonFiniteError(RuntimeError):
@@ -55,18 +56,21 @@ def init_params(config, model, image_size: int):
       jax.random.PRNGKey(config.seed))
 
 
-def restore_or_start(config, checkpoints: Checkpoints, state: TrainState, shardings: TrainState,
-                     mesh: Mesh) -> tuple[TrainState, pipeline.TrainIterator]:
-  """(state, training batches) from the newest intact checkpoint, or from `state` at step 0."""
+def restore_or_start(config, checkpoints: Checkpoints, shapes: TrainState, shardings: TrainState,
+                     mesh: Mesh, start: Callable[[], TrainState],
+                     ) -> tuple[TrainState, pipeline.TrainIterator]:
+  """(state, training batches) from the newest intact checkpoint, restored into `shapes` (the
+  state's ShapeDtypeStructs) with `shardings`, or else from `start()`, the state at step 0:
+  only a fresh run compiles the init."""
   if checkpoints.latest_step() is not None:
     if mismatches := resume.resume_mismatches(config, checkpoints.workdir):
       raise ConfigError(
           f'{checkpoints.workdir} holds a run with other {", ".join(mismatches)}: its '
           'checkpoints cannot continue with these. Run with the saved values, or start afresh '
           'with another --workdir.')
-  restored = checkpoints.restore(state, shardings)
+  restored = checkpoints.restore(shapes, shardings)
   if restored is None:
-    return state, pipeline.get_train_iterator(config, mesh)
+    return start(), pipeline.get_train_iterator(config, mesh)
   state, data_state = restored
   try:
     train_iter = pipeline.restore_train_iterator(config, mesh, data_state)
@@ -107,12 +111,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   params = None
   if config.pretrained_path:
     params = load_pretrained_params(config, model)
-  state, shardings = create_train_state(config, model, optimizer, mesh, config.pp.crop, params)
+  shapes, shardings = abstract_train_state(config, model, optimizer, mesh, config.pp.crop, params)
   if param_groups.is_set(config):
-    logging.info('%s', param_groups.summary(config, state.params))
+    logging.info('%s', param_groups.summary(config, shapes.params))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+  start = lambda: initial_train_state(config, model, optimizer, shardings, config.pp.crop, params)
   try:
-    state, train_iter = restore_or_start(config, checkpoints, state, shardings, mesh)
+    state, train_iter = restore_or_start(config, checkpoints, shapes, shardings, mesh, start)
     if is_main:  # Only now: a resume that fails keeps the config.json of the run it found.
       resume.write_config(config, workdir)
     checkpoints.delete_old()
