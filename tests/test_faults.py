@@ -191,9 +191,8 @@ def test_export_of_other_formats_to_a_full_disk_is_one_line_and_leaves_no_partia
 # with FEWSHOT_AT_END a few-shot evaluation after it.
 LONG_FINAL_EVALUATION = {'total_steps': 10, 'checkpoint_every': 10, 'progress_every': 5,
                          'eval_every': 10, 'test_split': 'test', 'batch_eval': 16}
-FEWSHOT_AT_END = {f'evals.fewshot.{field}': value for field, value in (
-    ('datasets', "('fashion_mnist_embedded',)"), ('shots', '(1,5)'), ('seeds', 1),
-    ('train_split', 'train[:500]'), ('num_test', 200))}
+FEWSHOT_AT_END = dict(datasets=('fashion_mnist_embedded',), shots=(1, 5), seeds=1,
+                      train_split='train[:500]', num_test=200)
 
 
 def stopped_during_the_final_evaluation(workdir, during, overrides) -> None:
@@ -217,14 +216,22 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_once(tmp_path):
   stopped_during_the_final_evaluation(tmp_path, 'step 10: checkpoint -> ', LONG_FINAL_EVALUATION)
 
 
-def test_sigterm_during_the_final_few_shot_evaluation_stops_it_and_the_rerun_evaluates(tmp_path):
-  overrides = {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]', **FEWSHOT_AT_END}
-  stopped_during_the_final_evaluation(tmp_path, 'step 10: test accuracy ', overrides)
+def test_sigterm_during_the_final_few_shot_evaluation_stops_it_and_the_rerun_evaluates(
+    tmp_path, caplog):
+  """The rerun, the same run again, is the library's in this process: it only evaluates (few-shot
+  too) and writes model.npz."""
+  overrides = {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]'}
+  stopped_during_the_final_evaluation(tmp_path, 'step 10: test accuracy ', {
+      **overrides, **{f'evals.fewshot.{field}': value if isinstance(value, str) else repr(value)
+                      for field, value in FEWSHOT_AT_END.items()}})
 
-  rerun = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
-  assert rerun.finish() == 0, rerun.log
-  assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
-  assert 'fashion_mnist_embedded_5shot' in rerun.log
+  config = tiny_config(**overrides)
+  config.evals.fewshot.update(FEWSHOT_AT_END)
+  with caplog.at_level(logging.INFO):
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
+  assert 'Already trained to step 10 of 10: evaluating it.' in caplog.text
+  assert 'fashion_mnist_embedded_5shot' in caplog.text
+  assert 'fewshot/fashion_mnist_embedded_5shot' in metrics, metrics
   assert npz.load(tmp_path / 'model.npz')
 
 
