@@ -3,8 +3,9 @@ SIGTERM during the final evaluation (of one process or two), training images cha
 run and its resume, a process of a two-process run that dies (process 1, or process 0 with JAX's
 coordination service).
 
-Each test runs the command a user types in a subprocess, with the device count it picks for
-itself (helpers.xla_flags(None)).
+Each fault meets the command a user types, run in a subprocess with the device count it picks
+for itself (helpers.xla_flags(None)). A run that only sets the scene (a trained workdir) or checks
+what a later run does with it (a rerun, a resume) is the library's, run in the test's process.
 
 A full disk is a real one: a small tmpfs mounted for the test (`mount -t tmpfs -o size=...`, which
 needs root), filled to its last byte by a file of zeros. A file-size limit (RLIMIT_FSIZE) fails
