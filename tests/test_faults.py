@@ -3,8 +3,9 @@ SIGTERM during the final evaluation (of one process or two), training images cha
 run and its resume, a process of a two-process run that dies (process 1, or process 0 with JAX's
 coordination service).
 
-Each test runs the command a user types in a subprocess, with the device count it picks for
-itself (helpers.xla_flags(None)).
+Each fault meets the command a user types, run in a subprocess with the device count it picks
+for itself (helpers.xla_flags(None)). A run that only sets the scene (a trained workdir) or checks
+what a later run does with it (a rerun, a resume) is the library's, run in the test's process.
 
 A full disk is a real one: a small tmpfs mounted for the test (`mount -t tmpfs -o size=...`, which
 needs root), filled to its last byte by a file of zeros. A file-size limit (RLIMIT_FSIZE) fails
@@ -15,6 +16,7 @@ permitted, these tests skip and say so.
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import numpy as np
 from PIL import Image
 import pytest
 
+from helpers import tiny_config
 from helpers import xla_flags
 from test_main import MainProcess
 from test_main import free_port
@@ -32,7 +35,9 @@ from test_main import run_main
 from vit_jax.checkpoints import npz
 from vit_jax.data import sources
 from vit_jax.distributed import heartbeats
+from vit_jax.tools import export
 from vit_jax.training import summaries
+from vit_jax.training import trainer
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
 FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
@@ -114,20 +119,21 @@ def test_a_disk_full_at_the_last_checkpoint_still_writes_model_npz(small_disk):
   assert npz.load(workdir / 'model.npz')  # Complete: it loads.
 
 
-def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_file(small_disk):
+def test_a_disk_full_at_the_model_npz_write_is_one_line_and_leaves_no_partial_file(
+    small_disk, trained_run):
+  """The session's trained run (tests/tiny_config.py, 60 steps) without its model.npz: the same
+  command again only evaluates it and writes model.npz, here to a full disk."""
   workdir = small_disk / 'run'
-  run = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
-  assert run.finish() == 0, run.log
-  os.remove(workdir / 'model.npz')
+  shutil.copytree(trained_run[0], workdir, ignore=shutil.ignore_patterns('model.npz'))
   fill(small_disk, leave=16 * 1024)  # Room for the lock and config.json, not for model.npz.
-  rerun = MainProcess(workdir, {**FULL_DISK_RUN, 'total_steps': 10}, env=ONE_DEVICE_PER_CORE)
+  rerun = MainProcess(workdir, {}, env=ONE_DEVICE_PER_CORE)
   assert rerun.finish() == 1, rerun.log
-  assert 'Already trained to step 10 of 10' in rerun.log
+  assert 'Already trained to step 60 of 60' in rerun.log
   errors = error_lines(rerun.log)
   assert errors == [errors[0]] and re.fullmatch(re.escape(
       f'Checkpoint error: Writing the final params to {workdir}/model.npz failed (No space left '
       'on device); ') + '[0-9]+ KiB' + re.escape(
-          ' free there. The checkpoint of step 10 is complete: free some space and run the '
+          ' free there. The checkpoint of step 60 is complete: free some space and run the '
           'same command again to write the file.'), errors[0]), rerun.log
   assert not [name for name in os.listdir(workdir) if name.startswith('model')]
 
@@ -150,40 +156,50 @@ def test_summaries_on_a_full_disk_stop_with_one_warning_and_the_run_goes_on(smal
   assert not any(r.exc_info for r in caplog.records)
 
 
-@pytest.mark.parametrize('format_name', ['timm', 'hf', 'saved_model'])
-def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
-    small_disk, trained_run, format_name):
-  fill(small_disk, leave=16 * 1024)  # Less than the tiny model's 60 KiB of weights.
-  out = small_disk / 'export'
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format',
-       format_name, '--out', str(out)], capture_output=True, text=True, check=False,
-      env={**os.environ, **ONE_DEVICE_PER_CORE})
-  assert result.returncode == 1, result.stderr
-  assert 'Traceback' not in result.stderr
+def assert_one_line_and_no_partial_file(disk, out, stderr):
+  assert 'Traceback' not in stderr
   assert re.fullmatch(
       re.escape(f'error: Writing {out} failed (No space left on device); ') + '[0-9]+ KiB'
       + re.escape(' free there: free some space, or pass another --out.'),
-      result.stderr.strip().splitlines()[-1]), result.stderr
-  assert not [name for name in os.listdir(small_disk) if not name.startswith('filler')]
+      stderr.strip().splitlines()[-1]), stderr
+  assert not [name for name in os.listdir(disk) if not name.startswith('filler')]
+
+
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(small_disk, trained_run):
+  fill(small_disk, leave=16 * 1024)  # Less than the tiny model's 60 KiB of weights.
+  out = small_disk / 'export'
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format', 'timm',
+       '--out', str(out)], capture_output=True, text=True, check=False,
+      env={**os.environ, **ONE_DEVICE_PER_CORE})
+  assert result.returncode == 1, result.stderr
+  assert_one_line_and_no_partial_file(small_disk, out, result.stderr)
+
+
+@pytest.mark.parametrize('format_name', ['hf', 'saved_model'])
+def test_export_of_other_formats_to_a_full_disk_is_one_line_and_leaves_no_partial_file(
+    small_disk, trained_run, format_name, capsys):
+  """As the test above, through the command's main: Hugging Face's files and TensorFlow's
+  SavedModel meet the full disk in their own writers."""
+  fill(small_disk, leave=16 * 1024)
+  out = small_disk / 'export'
+  assert export.main(['--checkpoint', trained_run[0], '--format', format_name,
+                      '--out', str(out)]) == 1
+  assert_one_line_and_no_partial_file(small_disk, out, capsys.readouterr().err)
 
 
 # Ten steps, then an evaluation of all 10,000 test images in 625 batches (several seconds), and
 # with FEWSHOT_AT_END a few-shot evaluation after it.
 LONG_FINAL_EVALUATION = {'total_steps': 10, 'checkpoint_every': 10, 'progress_every': 5,
                          'eval_every': 10, 'test_split': 'test', 'batch_eval': 16}
-FEWSHOT_AT_END = {f'evals.fewshot.{field}': value for field, value in (
-    ('datasets', "('fashion_mnist_embedded',)"), ('shots', '(1,5)'), ('seeds', 1),
-    ('train_split', 'train[:500]'), ('num_test', 200))}
+FEWSHOT_AT_END = dict(datasets=('fashion_mnist_embedded',), shots=(1, 5), seeds=1,
+                      train_split='train[:500]', num_test=200)
 
 
-@pytest.mark.parametrize('during, overrides', [
-    ('step 10: checkpoint -> ', LONG_FINAL_EVALUATION),
-    ('step 10: test accuracy ', {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]',
-                                 **FEWSHOT_AT_END})], ids=['evaluation', 'few-shot'])
-def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_evaluates(
-    tmp_path, during, overrides):
-  run = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
+def stopped_during_the_final_evaluation(workdir, during, overrides) -> None:
+  """Runs the tiny config with `overrides` in `workdir`, sends SIGTERM once `during` is in its
+  output, and checks that it stops at once with the checkpoint of step 10 and no model.npz."""
+  run = MainProcess(workdir, overrides, env=ONE_DEVICE_PER_CORE)
   run.wait_for(lambda: during in run.log, repr(during))
   run.process.send_signal(signal.SIGTERM)
   sent = time.monotonic()
@@ -192,13 +208,31 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_once_and_the_rerun_eval
   assert ('SIGTERM during the evaluation of step 10: stopping it now, with the checkpoint of '
           'step 10; a rerun only evaluates it.') in run.log, run.log
   assert 'Stopped at step 10 and wrote its checkpoint. To resume: ' in run.log
-  assert os.listdir(tmp_path / 'checkpoints') == ['10']
-  assert not (tmp_path / 'model.npz').exists()
+  assert os.listdir(workdir / 'checkpoints') == ['10']
+  assert not (workdir / 'model.npz').exists()
 
-  rerun = MainProcess(tmp_path, overrides, env=ONE_DEVICE_PER_CORE)
-  assert rerun.finish() == 0, rerun.log
-  assert 'Already trained to step 10 of 10: evaluating it.' in rerun.log
-  assert ('evals.fewshot.datasets' in overrides) == ('fashion_mnist_embedded_5shot' in rerun.log)
+
+def test_sigterm_during_the_final_evaluation_stops_it_at_once(tmp_path):
+  """In the middle of the 625 batches. That a rerun only evaluates it, the test below shows."""
+  stopped_during_the_final_evaluation(tmp_path, 'step 10: checkpoint -> ', LONG_FINAL_EVALUATION)
+
+
+def test_sigterm_during_the_final_few_shot_evaluation_stops_it_and_the_rerun_evaluates(
+    tmp_path, caplog):
+  """The rerun, the same run again, is the library's in this process: it only evaluates (few-shot
+  too) and writes model.npz."""
+  overrides = {**LONG_FINAL_EVALUATION, 'test_split': 'test[:32]'}
+  stopped_during_the_final_evaluation(tmp_path, 'step 10: test accuracy ', {
+      **overrides, **{f'evals.fewshot.{field}': value if isinstance(value, str) else repr(value)
+                      for field, value in FEWSHOT_AT_END.items()}})
+
+  config = tiny_config(**overrides)
+  config.evals.fewshot.update(FEWSHOT_AT_END)
+  with caplog.at_level(logging.INFO):
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
+  assert 'Already trained to step 10 of 10: evaluating it.' in caplog.text
+  assert 'fashion_mnist_embedded_5shot' in caplog.text
+  assert 'fewshot/fashion_mnist_embedded_5shot' in metrics, metrics
   assert npz.load(tmp_path / 'model.npz')
 
 
@@ -215,13 +249,14 @@ def write_image_folder(root, per_class=20):
 
 
 def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_restored(
-    tmp_path):
+    tmp_path, caplog):
+  """The refused resume is the command a user types; the run before it and the resume after it
+  are the library's, in this process."""
   data = tmp_path / 'images'
   write_image_folder(data)
   run = {'dataset': str(data), 'test_split': 'test', 'total_steps': 10, 'checkpoint_every': 10,
          'eval_every': 10, 'progress_every': 5}
-  status, log = run_main(tmp_path / 'run', run, env=ONE_DEVICE_PER_CORE)
-  assert status == 0, log
+  trainer.train_and_evaluate(tiny_config(**run), str(tmp_path / 'run'))
   removed = data / 'train' / 'coat' / '7.png'
   kept = removed.read_bytes()
   removed.unlink()  # Between two runs: the resumed one would see 59 images, not 60.
@@ -237,9 +272,10 @@ def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_r
   assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['10']
 
   removed.write_bytes(kept)
-  status, log = run_main(tmp_path / 'run', longer, env=ONE_DEVICE_PER_CORE)
-  assert status == 0, log
-  assert 'Resuming from step 10 of ' in log
+  with caplog.at_level(logging.INFO):
+    trainer.train_and_evaluate(tiny_config(**longer), str(tmp_path / 'run'))
+  assert 'Resuming from step 10 of ' in caplog.text
+  assert '20' in os.listdir(tmp_path / 'run' / 'checkpoints')
 
 
 def two_processes(workdir, overrides):
