@@ -5,7 +5,8 @@ no quick compilation), no JAX settings, no compilation cache of the harness. Eac
 devices as it does for a user, one XLA:CPU device per core here, keeps what it compiles in vit_jax's
 cache, empty at first as on a fresh machine, and shows the project's lines only. The commands
 share one short run of the quick start's command, at the batch of 16 under which its closing
-few-shot evaluation used to abort on 2 devices.
+few-shot evaluation used to abort on 2 devices. Further checks of commands that have run so once
+call their main() in this process.
 """
 import json
 import os
@@ -25,6 +26,8 @@ from helpers import tiny_config
 from vit_jax import cache
 from vit_jax.checkpoints import npz
 from vit_jax.models import registry
+from vit_jax.tools import export
+from vit_jax.tools import predict
 
 pytestmark = pytest.mark.xdist_group('commands')  # One worker trains the run they share.
 
@@ -181,17 +184,19 @@ def test_main_trains_non_square_images_from_another_patch_size(non_square_run):
     assert saved['Transformer/posembed_input/pos_embedding'].shape == (1, 1 + 2 * 3, 32)
 
 
-def test_predict_command_at_another_size_of_a_non_square_run(non_square_run):
+# The predict and export commands of a non-square run, in this process: each command has run as a
+# user runs it above.
+def test_predict_command_at_another_size_of_a_non_square_run(non_square_run, capsys):
   workdir, _ = non_square_run
-  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), '--image_size', '56x56',
-                             PHOTOS[0]))
-  assert f'{PHOTOS[0]} (56x56 px):' in output
+  assert predict.main(['--checkpoint', str(workdir), '--image_size', '56x56', PHOTOS[0]]) == 0
+  assert f'{PHOTOS[0]} (56x56 px):' in capsys.readouterr().out
 
 
-def test_export_command_of_a_non_square_run(non_square_run, tmp_path):
+def test_export_command_of_a_non_square_run(non_square_run, tmp_path, capsys):
   workdir, _ = non_square_run
-  output = succeeded(vit_jax('export', '--checkpoint', str(workdir), '--format', 'timm',
-                             '--out', str(tmp_path / 'timm.safetensors')))
+  assert export.main(['--checkpoint', str(workdir), '--format', 'timm',
+                      '--out', str(tmp_path / 'timm.safetensors')]) == 0
+  output = capsys.readouterr().out
   assert '(28x42 px, 10 classes)' in output and "'img_size': [28, 42]" in output
 
 
