@@ -1,6 +1,6 @@
 """Tests of a first run on one's own image folder, as docs/training.md shows it:
-`python -m vit_jax.main --config.dataset=DIR` in a fresh folder, then `vit_jax.predict` on its
-model, each a process with the device count JAX picks for itself (no harness flags).
+`python -m vit_jax.main --config.dataset=DIR` in a fresh folder, a process with the device count
+JAX picks for itself, twice, then `vit_jax.predict` on its model.
 
 What the run says about the data, a dataset of one class, the warning of a run that sees each
 image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
@@ -22,6 +22,7 @@ from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
+from vit_jax.tools import predict
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
 import tiny_tfds
@@ -106,12 +107,13 @@ def test_the_default_workdir_names_the_overridden_dataset_and_the_command_resume
       'workdirs', 'vit_ti16_cifar10_photos')
 
 
-def test_predict_prints_the_class_names_of_the_runs_folder(own_run):
+def test_predict_prints_the_class_names_of_the_runs_folder(own_run, monkeypatch, capsys):
+  # In this process: tests/test_commands.py runs the command in a process of its own.
   cwd, _, _ = own_run
+  monkeypatch.chdir(cwd)
   images = [f'{FOLDER}/test/Bag/0.png', f'{FOLDER}/test/Trouser/0.png']
-  status, out = run(['vit_jax.predict', '--checkpoint', 'workdirs/default_my_photos', *images],
-                    cwd)
-  assert status == 0, out
+  assert predict.main(['--checkpoint', 'workdirs/default_my_photos', *images]) == 0
+  out = capsys.readouterr().out
   for image in images:
     lines = out.split(f'{image} (28x28 px):\n')[1].splitlines()[:2]
     assert sorted(re.sub(r'^ *[\d.]+% +', '', line) for line in lines) == [
