@@ -1,8 +1,7 @@
 """Tests of the tour notebook, notebooks/vit_jax.ipynb, executed top to bottom in a Jupyter kernel.
 
-The kernel inherits this process's environment (conftest.py's quick compilation) but for the device
-count, JAX's own as for a user, and with VIT_JAX_NOTEBOOK_QUICK=1, which cuts training to a few
-steps; it runs in a temporary directory.
+The kernel inherits this process's environment (8 simulated CPU devices, from conftest.py) and
+VIT_JAX_NOTEBOOK_QUICK=1, which cuts training to a few steps; it runs in a temporary directory.
 """
 import base64
 import io
@@ -14,8 +13,6 @@ import nbformat
 import numpy as np
 from PIL import Image
 import pytest
-
-from helpers import xla_flags
 
 pytestmark = pytest.mark.xdist_group('notebook')  # Its module fixtures are built once.
 
@@ -35,7 +32,6 @@ def fixture_executed(tmp_path_factory):
   folder = tmp_path_factory.mktemp('notebook')
   with pytest.MonkeyPatch.context() as env:
     env.setenv('VIT_JAX_NOTEBOOK_QUICK', '1')
-    env.setenv('XLA_FLAGS', xla_flags(None))  # JAX's own device count, as for a user.
     env.setenv('TMPDIR', str(folder))  # The notebook's WORKDIR goes here.
     env.delenv('TF_CPP_MIN_LOG_LEVEL', raising=False)  # As for a user: the console sets it.
     # ipykernel forwards what C++ code writes to file descriptors 1 and 2 to the notebook, as a
