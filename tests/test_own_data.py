@@ -1,6 +1,6 @@
 """Tests of a first run on one's own image folder, as docs/training.md shows it:
-`python -m vit_jax.main --config.dataset=DIR` in a fresh folder, then `vit_jax.predict` on its
-model, each a process with the device count JAX picks for itself (no harness flags).
+`python -m vit_jax.main --config.dataset=DIR` in a fresh folder, a process with the device count
+JAX picks for itself, twice, then `vit_jax.predict` on its model.
 
 What the run says about the data, a dataset of one class, the warning of a run that sees each
 image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
@@ -22,6 +22,7 @@ from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
+from vit_jax.tools import predict
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
 import tiny_tfds
@@ -31,8 +32,9 @@ TIMEOUT = 300  # Seconds any one process may run.
 FOLDER = 'my_photos'  # In the run's current folder, as --config.dataset=my_photos names it.
 # 15 training images of each class: 5-shot (5 shots, 10 held out) fits, 10-shot does not.
 PER_CLASS = {'train': 15, 'test': 5}
-# Shorter than the default run's 900 steps, still 30 x 128 = 3,840 images of 30: 128 passes.
-SHORTER = ['--config.total_steps=30', '--config.warmup_steps=5']
+# Shorter than the default run's 900 steps, still 24 x 128 = 3,072 images of 30: 102 passes, just
+# over the 100 that the warning names.
+SHORTER = ['--config.total_steps=24', '--config.warmup_steps=5']
 OWN_DATA_RUN = ['vit_jax.main', f'--config.dataset={FOLDER}', *SHORTER]
 
 
@@ -78,7 +80,7 @@ def test_few_shot_runs_on_the_runs_own_data_and_skips_the_shots_it_lacks_images_
 
 def test_top5_is_not_reported_with_5_classes_or_fewer(own_run):
   cwd, log, again = own_run
-  assert re.search(r'step 30: test accuracy [\d.]+, test loss', log), log
+  assert re.search(r'step 24: test accuracy [\d.]+, test loss', log), log
   assert not re.search('top-?5', log + again, re.IGNORECASE), log + again
   assert 'test_top5_accuracy' not in read_scalars(cwd / 'workdirs' / 'default_my_photos')
 
@@ -87,8 +89,8 @@ def test_a_run_that_sees_each_image_over_100_times_warns_in_one_line(own_run):
   _, log, _ = own_run
   warnings = [line for line in log.splitlines() if 'times' in line]
   assert len(warnings) == 1, log
-  assert re.search(r'WARNING: This run sees each of its 30 training images about 128 times '
-                   r'\(30 steps of 128 images\), .* --config=configs/scratch_small\.py:DIR ',
+  assert re.search(r'WARNING: This run sees each of its 30 training images about 102 times '
+                   r'\(24 steps of 128 images\), .* --config=configs/scratch_small\.py:DIR ',
                    warnings[0]), warnings
 
 
@@ -97,7 +99,7 @@ def test_the_default_workdir_names_the_overridden_dataset_and_the_command_resume
   workdir = cwd / 'workdirs' / 'default_my_photos'
   for output in (log, again):
     assert f'Workdir: {workdir}\n' in output, output
-  assert 'Already trained to step 30 of 30: evaluating it.' in again, again
+  assert 'Already trained to step 24 of 24: evaluating it.' in again, again
   assert not (cwd / 'workdirs' / 'default').exists()  # The quick start's stays free.
   assert workdirs.default_workdir(command_line.DEFAULT_CONFIG, '/data/my_photos/') == (
       os.path.join('workdirs', 'default_data_my_photos'))
@@ -105,28 +107,35 @@ def test_the_default_workdir_names_the_overridden_dataset_and_the_command_resume
       'workdirs', 'vit_ti16_cifar10_photos')
 
 
-def test_predict_prints_the_class_names_of_the_runs_folder(own_run):
+def test_predict_prints_the_class_names_of_the_runs_folder(own_run, monkeypatch, capsys):
+  # In this process: tests/test_commands.py runs the command in a process of its own.
   cwd, _, _ = own_run
+  monkeypatch.chdir(cwd)
   images = [f'{FOLDER}/test/Bag/0.png', f'{FOLDER}/test/Trouser/0.png']
-  status, out = run(['vit_jax.predict', '--checkpoint', 'workdirs/default_my_photos', *images],
-                    cwd)
-  assert status == 0, out
+  assert predict.main(['--checkpoint', 'workdirs/default_my_photos', *images]) == 0
+  out = capsys.readouterr().out
   for image in images:
     lines = out.split(f'{image} (28x28 px):\n')[1].splitlines()[:2]
     assert sorted(re.sub(r'^ *[\d.]+% +', '', line) for line in lines) == [
         'Bag (0)', 'Trouser (1)'], out
 
 
-def test_a_folder_of_one_class_is_refused_before_anything_compiles(tmp_path):
+def test_a_folder_of_one_class_is_refused_before_anything_compiles(tmp_path, monkeypatch, caplog):
+  # The line `vit_jax.main` prints for a ConfigError, and its exit status 1:
+  # tests/test_config_errors.py.
   write_image_folder(tmp_path / 'one_class', PER_CLASS, class_ids=(8,))
-  status, log = run(['vit_jax.main', '--config.dataset=one_class'], tmp_path)
-  assert status == 1, log
-  assert log.strip().splitlines()[-1] == (
-      "Config error: config.dataset='one_class' has 1 class (Bag): a classifier needs 2 or more. "
+  monkeypatch.chdir(tmp_path)  # --config.dataset=one_class names the folder in the current one.
+  config = defaults.get_config()
+  config.dataset = 'one_class'
+  with pytest.raises(checks.ConfigError) as refused:
+    trainer.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert str(refused.value) == (
+      "config.dataset='one_class' has 1 class (Bag): a classifier needs 2 or more. "
       'Use a dataset of several classes (an image folder: one folder per class, '
       'DIR/train/<class>/ and DIR/test/<class>/), or pre-train without labels with '
-      '--config.objective=masked_patch_prediction.'), log
-  assert 'Mesh:' not in log and 'Model ' not in log, log
+      '--config.objective=masked_patch_prediction.')
+  assert 'Mesh:' not in caplog.text and 'Model ' not in caplog.text, caplog.text
+  assert not (tmp_path / 'workdir' / 'checkpoints').exists()
 
 
 class OneClassFashionMnist(tiny_tfds.TinyFashionMnist):
