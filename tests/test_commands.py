@@ -29,7 +29,9 @@ from vit_jax.models import registry
 from vit_jax.tools import export
 from vit_jax.tools import predict
 
-pytestmark = pytest.mark.xdist_group('commands')  # One worker trains the run they share.
+# The tests of each shared run share one worker, which trains it; the others go to any worker.
+SHORT_RUN_WORKER = pytest.mark.xdist_group('commands_short_run')
+NON_SQUARE_RUN_WORKER = pytest.mark.xdist_group('commands_non_square_run')
 
 # The harness's settings (tests/conftest.py), none of which a user has.
 HARNESS_VARIABLES = ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_COMPILATION_CACHE_DIR',
@@ -85,6 +87,7 @@ def short_run(tmp_path_factory):
   return folder / 'workdirs' / 'default', console, folder  # Named after the config: it resumes.
 
 
+@SHORT_RUN_WORKER
 def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
   workdir, console, _ = short_run
   lines = console.splitlines()
@@ -107,6 +110,7 @@ def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
       events.Tags()['tensors'])
 
 
+@SHORT_RUN_WORKER
 def test_main_keeps_its_compiled_programs_in_vit_jaxs_cache(short_run):
   kept = {name.split('-')[0] for name in os.listdir(os.path.join(os.environ[cache.CACHE_ENV],
                                                                  'xla'))}
@@ -115,6 +119,7 @@ def test_main_keeps_its_compiled_programs_in_vit_jaxs_cache(short_run):
   assert {'jit_constrained', 'jit_solve', 'jit_count_correct'} <= kept, kept
 
 
+@SHORT_RUN_WORKER
 def test_fewshot_command(short_run):
   # It aborted on 2 devices before hardware.Pacer; tests/test_fewshot.py checks the cause, which
   # aborted every time.
@@ -124,6 +129,7 @@ def test_fewshot_command(short_run):
   assert 'few-shot linear accuracy over 2 seeds, 500 test images' in output, output
 
 
+@SHORT_RUN_WORKER
 def test_the_run_continued_ends_again_with_its_few_shot_evaluation(short_run):
   """The same command, one step longer: it resumes and ends with the few-shot evaluation that
   aborted on 2 devices at this batch (the fixture's is the first)."""
@@ -133,12 +139,14 @@ def test_the_run_continued_ends_again_with_its_few_shot_evaluation(short_run):
   assert re.search(r'step 7: few-shot linear accuracy .*_10shot [\d.]+', output), output
 
 
+@SHORT_RUN_WORKER
 def test_predict_command(short_run):
   workdir, _, _ = short_run
   output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3]))
   assert os.path.basename(PHOTOS[3]) in output
 
 
+@SHORT_RUN_WORKER
 def test_visualize_command(short_run, tmp_path):
   workdir, _, _ = short_run
   succeeded(vit_jax('visualize', '--checkpoint', str(workdir), '--output', str(tmp_path),
@@ -146,6 +154,7 @@ def test_visualize_command(short_run, tmp_path):
   assert any(name.endswith('.png') for name in os.listdir(tmp_path))
 
 
+@SHORT_RUN_WORKER
 def test_export_and_convert_commands_round_trip_the_weights(short_run, tmp_path):
   workdir, _, _ = short_run
   exported = tmp_path / 'model_timm.safetensors'
@@ -174,6 +183,7 @@ def non_square_run(tmp_path_factory):
   return folder / 'run', console
 
 
+@NON_SQUARE_RUN_WORKER
 def test_main_trains_non_square_images_from_another_patch_size(non_square_run):
   workdir, console = non_square_run
   assert 'step 6/6: loss' in console
@@ -186,12 +196,14 @@ def test_main_trains_non_square_images_from_another_patch_size(non_square_run):
 
 # The predict and export commands of a non-square run, in this process: each command has run as a
 # user runs it above.
+@NON_SQUARE_RUN_WORKER
 def test_predict_command_at_another_size_of_a_non_square_run(non_square_run, capsys):
   workdir, _ = non_square_run
   assert predict.main(['--checkpoint', str(workdir), '--image_size', '56x56', PHOTOS[0]]) == 0
   assert f'{PHOTOS[0]} (56x56 px):' in capsys.readouterr().out
 
 
+@NON_SQUARE_RUN_WORKER
 def test_export_command_of_a_non_square_run(non_square_run, tmp_path, capsys):
   workdir, _ = non_square_run
   assert export.main(['--checkpoint', str(workdir), '--format', 'timm',
