@@ -125,8 +125,11 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
 
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
+  # The training step's part of the plan: the evaluation step's compilation is not needed here.
   config = helpers.tiny_config(attention='splash', dtype='bfloat16')
-  result = tpu_plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
+  topology = tpu_topologies.parse_topology('v5e-4')
+  result, _ = tpu_plan.train_step_plan(config, tpu_plan.topology_mesh(config, topology),
+                                       topology, 10)
   assert result['fits'] and result['config']['attention'] == 'splash'
   # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
   assert result['tpu_custom_calls'] == {'splash_mha_fwd_residuals': 1,
@@ -250,12 +253,14 @@ def test_a_step_over_a_small_device_limit_names_what_would_fit():
 
 
 def test_main_stops_a_batch_beyond_the_hosts_memory_with_one_line(tmp_path):
-  # The batch's images alone (2**20 of 28x28x3 float32) take 9.2 GiB; its activations far more
-  # than this host has. As a user runs it: one device per core, no harness flags (fsdp and
-  # rematerialised already, so that only a larger accumulation is left to try).
+  # The batch's images alone (2 x 524,287 of 28x28x3 float32) take 9.2 GiB; its activations far
+  # more than this host has. As a user runs it: one device per core that divides the batch (1 or
+  # 2: 524,287 = 2**19 - 1 is prime), no harness flags (fsdp and rematerialised already, so that
+  # only a larger accumulation is left to try). The prime leaves few accumulations to compile
+  # (with 2 devices one: 524,287 micro-batches of one image).
   run = subprocess.run(
       [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
-       f'--workdir={tmp_path}', f'--config.batch={2**20}', '--config.sharding=fsdp',
+       f'--workdir={tmp_path}', f'--config.batch={2 * (2**19 - 1)}', '--config.sharding=fsdp',
        '--config.remat_policy=nothing_saveable'],
       env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert run.returncode == 1
