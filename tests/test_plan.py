@@ -106,6 +106,12 @@ def test_an_unknown_topology_is_one_line_naming_the_sizes(name):
     tpu_topologies.parse_topology(name)
 
 
+def tpu_config(**overrides):
+  """The tiny config with a batch of 8: at least one image a chip of these slices, in a step
+  that libtpu compiles quicker than one of the tiny config's 64."""
+  return helpers.tiny_config(batch=8, **overrides)
+
+
 def tpu_mesh(config, name, slices=1):
   """The mesh of `config` over the compile-only devices of the slice `name`."""
   return train_setup.make_mesh(config, tpu_topologies.compile_only_devices(
@@ -115,7 +121,7 @@ def tpu_mesh(config, name, slices=1):
 @pytest.mark.parametrize('strategy, model_axis', [
     ('data', 1), ('fsdp', 1), ('tensor', 2), ('fsdp+tensor', 2)])
 def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_axis):
-  config = helpers.tiny_config(sharding=strategy)
+  config = tpu_config(sharding=strategy)
   config.mesh.model = model_axis
   mesh = tpu_mesh(config, 'v5e-4')
   compiled = fit.lower_train_step(config, mesh, 10).compile()
@@ -126,7 +132,7 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
   # The training step's part of the plan: the evaluation step's compilation is not needed here.
-  config = helpers.tiny_config(attention='splash', dtype='bfloat16')
+  config = tpu_config(attention='splash', dtype='bfloat16')
   topology = tpu_topologies.parse_topology('v5e-4')
   result, _ = tpu_plan.train_step_plan(config, tpu_plan.topology_mesh(config, topology),
                                        topology, 10)
@@ -138,8 +144,8 @@ def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_ste
 
 
 def test_splash_attention_runs_per_device_under_fsdp_tensor_in_scanned_rematerialised_blocks():
-  config = helpers.tiny_config(attention='splash', dtype='bfloat16', sharding='fsdp+tensor',
-                               scan_layers=True, remat_policy='nothing_saveable')
+  config = tpu_config(attention='splash', dtype='bfloat16', sharding='fsdp+tensor',
+                      scan_layers=True, remat_policy='nothing_saveable')
   config.mesh.model = 2
   hlo = fit.lower_train_step(config, tpu_mesh(config, 'v5e-4'), 10).compile().as_text()
   calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
@@ -147,9 +153,9 @@ def test_splash_attention_runs_per_device_under_fsdp_tensor_in_scanned_remateria
   # The forward kernel twice: in the forward pass, and recomputed in the backward pass.
   assert names == ['splash_mha_dkv_no_residuals', 'splash_mha_dq_no_residuals',
                    'splash_mha_fwd_residuals', 'splash_mha_fwd_residuals']
-  # Each device's kernel takes its share: 64 / 2 images, 2 / 2 heads, the 17 tokens padded to
+  # Each device's kernel takes its share: 8 / 2 images, 2 / 2 heads, the 17 tokens padded to
   # 128, heads of 32 / 2 = 16.
-  assert all('bf16[32,1,128,16]' in line for line in calls)
+  assert all('bf16[4,1,128,16]' in line for line in calls)
 
 
 def test_splash_attention_masks_the_padded_tokens_as_softmax_attention_would():
@@ -181,7 +187,7 @@ def test_main_refuses_splash_attention_on_a_cpu_with_one_line(tmp_path):
 
 
 def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():
-  config = helpers.tiny_config(sharding='fsdp+tensor')
+  config = tpu_config(sharding='fsdp+tensor')
   config.mesh.model = 4
   mesh = tpu_mesh(config, 'v4-16')  # 8 chips on 2 hosts of 4.
   assert {d.process_index for d in mesh.devices.flat} == {0, 1}
@@ -191,7 +197,7 @@ def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():
 
 
 def test_a_2_slice_mesh_splits_only_data_across_the_slices():
-  config = helpers.tiny_config(sharding='fsdp')
+  config = tpu_config(sharding='fsdp')
   mesh = tpu_mesh(config, 'v5e-4', slices=2)
   slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
   assert slices[:, 0].tolist() == [0] * 4 + [1] * 4  # 'data': a slice after the other.
