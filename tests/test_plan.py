@@ -131,11 +131,8 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
 
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
-  # The training step's part of the plan: the evaluation step's compilation is not needed here.
   config = tpu_config(attention='splash', dtype='bfloat16')
-  topology = tpu_topologies.parse_topology('v5e-4')
-  result, _ = tpu_plan.train_step_plan(config, tpu_plan.topology_mesh(config, topology),
-                                       topology, 10)
+  result = tpu_plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
   assert result['fits'] and result['config']['attention'] == 'splash'
   # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
   assert result['tpu_custom_calls'] == {'splash_mha_fwd_residuals': 1,
