@@ -106,6 +106,12 @@ def test_an_unknown_topology_is_one_line_naming_the_sizes(name):
     tpu_topologies.parse_topology(name)
 
 
+def tpu_config(**overrides):
+  """The tiny config with a batch of 8: at least one image a chip of these slices, in a step
+  that libtpu compiles quicker than one of the tiny config's 64."""
+  return helpers.tiny_config(batch=8, **overrides)
+
+
 def tpu_mesh(config, name, slices=1):
   """The mesh of `config` over the compile-only devices of the slice `name`."""
   return train_setup.make_mesh(config, tpu_topologies.compile_only_devices(
@@ -115,7 +121,7 @@ def tpu_mesh(config, name, slices=1):
 @pytest.mark.parametrize('strategy, model_axis', [
     ('data', 1), ('fsdp', 1), ('tensor', 2), ('fsdp+tensor', 2)])
 def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_axis):
-  config = helpers.tiny_config(sharding=strategy)
+  config = tpu_config(sharding=strategy)
   config.mesh.model = model_axis
   mesh = tpu_mesh(config, 'v5e-4')
   compiled = fit.lower_train_step(config, mesh, 10).compile()
@@ -125,7 +131,7 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
 
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():
-  config = helpers.tiny_config(attention='splash', dtype='bfloat16')
+  config = tpu_config(attention='splash', dtype='bfloat16')
   result = tpu_plan.plan(config, tpu_topologies.parse_topology('v5e-4'), 10)
   assert result['fits'] and result['config']['attention'] == 'splash'
   # One block: the forward kernel, and the backward's kernels for dq and for dk, dv.
@@ -135,8 +141,8 @@ def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_ste
 
 
 def test_splash_attention_runs_per_device_under_fsdp_tensor_in_scanned_rematerialised_blocks():
-  config = helpers.tiny_config(attention='splash', dtype='bfloat16', sharding='fsdp+tensor',
-                               scan_layers=True, remat_policy='nothing_saveable')
+  config = tpu_config(attention='splash', dtype='bfloat16', sharding='fsdp+tensor',
+                      scan_layers=True, remat_policy='nothing_saveable')
   config.mesh.model = 2
   hlo = fit.lower_train_step(config, tpu_mesh(config, 'v5e-4'), 10).compile().as_text()
   calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
@@ -144,9 +150,9 @@ def test_splash_attention_runs_per_device_under_fsdp_tensor_in_scanned_remateria
   # The forward kernel twice: in the forward pass, and recomputed in the backward pass.
   assert names == ['splash_mha_dkv_no_residuals', 'splash_mha_dq_no_residuals',
                    'splash_mha_fwd_residuals', 'splash_mha_fwd_residuals']
-  # Each device's kernel takes its share: 64 / 2 images, 2 / 2 heads, the 17 tokens padded to
+  # Each device's kernel takes its share: 8 / 2 images, 2 / 2 heads, the 17 tokens padded to
   # 128, heads of 32 / 2 = 16.
-  assert all('bf16[32,1,128,16]' in line for line in calls)
+  assert all('bf16[4,1,128,16]' in line for line in calls)
 
 
 def test_splash_attention_masks_the_padded_tokens_as_softmax_attention_would():
@@ -178,7 +184,7 @@ def test_main_refuses_splash_attention_on_a_cpu_with_one_line(tmp_path):
 
 
 def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():
-  config = helpers.tiny_config(sharding='fsdp+tensor')
+  config = tpu_config(sharding='fsdp+tensor')
   config.mesh.model = 4
   mesh = tpu_mesh(config, 'v4-16')  # 8 chips on 2 hosts of 4.
   assert {d.process_index for d in mesh.devices.flat} == {0, 1}
@@ -188,7 +194,7 @@ def test_a_2_host_slice_keeps_the_tensor_axis_within_a_host():
 
 
 def test_a_2_slice_mesh_splits_only_data_across_the_slices():
-  config = helpers.tiny_config(sharding='fsdp')
+  config = tpu_config(sharding='fsdp')
   mesh = tpu_mesh(config, 'v5e-4', slices=2)
   slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
   assert slices[:, 0].tolist() == [0] * 4 + [1] * 4  # 'data': a slice after the other.
@@ -233,12 +239,13 @@ def test_accum_steps_auto_reports_when_nothing_fits():
 
 
 def test_a_step_over_a_small_device_limit_names_what_would_fit():
-  # Already fsdp and rematerialised, so that only a larger accumulation is left to try.
-  config = helpers.tiny_config(batch=64, sharding='fsdp', remat_policy='nothing_saveable')
+  # Already fsdp and rematerialised, so that only a larger accumulation is left to try: 17
+  # images a device, a prime, leave one to compile (17 micro-batches of one image).
+  config = helpers.tiny_config(batch=4 * 17, sharding='fsdp', remat_policy='nothing_saveable')
   mesh = train_setup.make_mesh(config, jax.devices()[:4])
   memory = lambda c: fit.step_memory(c, mesh, 10)
   need = memory(config).total_bytes
-  limit = int(need * 0.7)  # A device limit made small: accumulation must halve the batch.
+  limit = int(need * 0.7)  # A device limit made small: only accumulation makes it fit.
   with pytest.raises(fit.FitError) as error:
     fit.check(config, 4, memory, limit, 'a small device')
   message = str(error.value)
@@ -250,12 +257,14 @@ def test_a_step_over_a_small_device_limit_names_what_would_fit():
 
 
 def test_main_stops_a_batch_beyond_the_hosts_memory_with_one_line(tmp_path):
-  # The batch's images alone (2**20 of 28x28x3 float32) take 9.2 GiB; its activations far more
-  # than this host has. As a user runs it: one device per core, no harness flags (fsdp and
-  # rematerialised already, so that only a larger accumulation is left to try).
+  # The batch's images alone (2 x 524,287 of 28x28x3 float32) take 9.2 GiB; its activations far
+  # more than this host has. As a user runs it: one device per core that divides the batch (1 or
+  # 2: 524,287 = 2**19 - 1 is prime), no harness flags (fsdp and rematerialised already, so that
+  # only a larger accumulation is left to try). The prime leaves few accumulations to compile
+  # (with 2 devices one: 524,287 micro-batches of one image).
   run = subprocess.run(
       [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
-       f'--workdir={tmp_path}', f'--config.batch={2**20}', '--config.sharding=fsdp',
+       f'--workdir={tmp_path}', f'--config.batch={2 * (2**19 - 1)}', '--config.sharding=fsdp',
        '--config.remat_policy=nothing_saveable'],
       env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert run.returncode == 1
