@@ -15,7 +15,6 @@ import threading
 import time
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 import optax
 import pytest
@@ -27,13 +26,13 @@ from vit_jax.checkpoints import npz
 from vit_jax.config import command_line
 from vit_jax.config import fields
 from vit_jax.config import defaults
-from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import analysis
 from vit_jax.training import resume
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
 
-# Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
+# The run of tests/tiny_config.py (60 steps, a checkpoint every 20), logged every 10 steps to be
+# interrupted in the middle, keeping the checkpoints of its stops too.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
             'keep_checkpoints': 5}
 TIMEOUT = 300  # Seconds any one process may run.
@@ -97,18 +96,6 @@ def run_main(workdir, overrides, *extra, **kwargs):
   return process.finish(), process.log
 
 
-@pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
-  """The workdir of the long run trained in one go, in this process (the same 8 CPU devices)."""
-  workdir = tmp_path_factory.mktemp('uninterrupted')
-  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))
-  return workdir
-
-
-# The tests that compare with it run in one pytest-xdist worker, which builds it once.
-SHARES_UNINTERRUPTED = pytest.mark.xdist_group('uninterrupted')
-
-
 def final_params(workdir):
   return npz.load(os.path.join(workdir, 'model.npz'))
 
@@ -118,9 +105,12 @@ def assert_same_params(workdir, reference_workdir):
                final_params(reference_workdir))
 
 
-def test_bad_config_is_reported_in_one_line(tmp_path):
-  status, log = run_main(tmp_path, {'batch': 100, 'batch_eval': 100})
+def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
+  # Every value checks.validate_config refuses takes this way: test_config_errors.py.
+  status, log = run_main(tmp_path / 'run', {'batch': 100, 'batch_eval': 100})
   assert status == 1
+  assert 'Traceback' not in log
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
   assert log.strip().splitlines()[-1] == (
       'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
       'config.accum_steps=1: make it a multiple of 8. config.batch_eval=100 is not divisible by '
@@ -170,8 +160,8 @@ def test_unknown_config_field_lists_the_fields_of_its_group():
 
 
 def interrupt(run, workdir, signal_name, at_step):
-  """The log of `run` (of LONG_RUN in `workdir`), sent `signal_name` at `at_step`; checks that
-  it exits 0 having checkpointed the step it stopped at."""
+  """The step that `run` (of LONG_RUN in `workdir`), sent `signal_name` at `at_step`, stopped
+  at; checks that it exits 0 having checkpointed that step."""
   run.wait_for(lambda: f'step {at_step}/60' in run.log, f'step {at_step}')
   run.process.send_signal(getattr(signal, signal_name))
   assert run.finish() == 0, run.log
@@ -182,38 +172,39 @@ def interrupt(run, workdir, signal_name, at_step):
   step = int(stopped[1] or stopped[2])
   assert str(step) in os.listdir(workdir / 'checkpoints')
   assert not os.path.exists(workdir / 'model.npz')
-  return run.log
+  return step
 
 
-@SHARES_UNINTERRUPTED
-def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(
-    tmp_path, uninterrupted):
-  log = interrupt(MainProcess(tmp_path, LONG_RUN), tmp_path, 'SIGINT', at_step=10)  # Ctrl-C.
-  command = shlex.split(log.split('To resume: ')[1].splitlines()[0])
+def test_ctrl_c_sigterm_and_sigkill_lose_at_most_one_checkpoint_interval_and_resume_alike(
+    tmp_path, trained_run, caplog):
+  """One run of LONG_RUN stopped three ways, each resumed by the command the first printed:
+  Ctrl-C and SIGTERM checkpoint the step they stop at and exit 0; SIGKILL during a save loses
+  at most the steps since the previous checkpoint. Finished, it has the params of the session's
+  run trained in one go (tests/tiny_config.py's; LONG_RUN only logs and keeps more)."""
+  first = MainProcess(tmp_path, LONG_RUN)
+  interrupt(first, tmp_path, 'SIGINT', at_step=10)  # Ctrl-C.
+  command = shlex.split(first.log.split('To resume: ')[1].splitlines()[0])
   assert command[:3] == ['python', '-m', 'vit_jax.main']
-  resumed = MainProcess(None, {}, command=[sys.executable, *command[1:]])
-  log = interrupt(resumed, tmp_path, 'SIGTERM', at_step=20)  # A preemption of the resumed run.
-  assert 'Resuming from step' in log
-  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))  # The rest, in this process.
-  assert_same_params(tmp_path, uninterrupted)
+  resume_command = [sys.executable, *command[1:]]
 
-
-@SHARES_UNINTERRUPTED
-def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
-    tmp_path, uninterrupted, caplog):
-  run = MainProcess(tmp_path, LONG_RUN)
+  killed = MainProcess(None, {}, command=resume_command)
   checkpoints = tmp_path / 'checkpoints'
   # Killed as soon as the save of step 40 starts (or has ended, if it was too quick to see).
-  run.wait_for(lambda: checkpoints.exists() and any(
-      name.startswith('40') for name in os.listdir(checkpoints)), 'the save of step 40')
-  run.process.kill()
-  run.finish()
+  killed.wait_for(lambda: any(name.startswith('40') for name in os.listdir(checkpoints)),
+                  'the save of step 40')
+  killed.process.kill()
+  killed.finish()
+  assert 'Resuming from step' in killed.log
 
-  with caplog.at_level(logging.INFO):  # Resumed here, as the same command would.
+  preempted = MainProcess(None, {}, command=resume_command)
+  stopped = interrupt(preempted, tmp_path, 'SIGTERM', at_step=50)  # Preempted after resuming.
+  resumed = int(preempted.log.split('Resuming from step ')[1].split()[0])
+  assert resumed in (20, 40)  # The save of step 40 ended, or the checkpoint before it is used.
+
+  with caplog.at_level(logging.INFO):  # The rest, in this process, as the same command would.
     trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))
-  resumed = int(caplog.text.split('Resuming from step ')[1].split()[0])
-  assert resumed in (20, 40)
-  assert_same_params(tmp_path, uninterrupted)
+  assert f'Resuming from step {stopped} ' in caplog.text  # From the SIGTERM's checkpoint.
+  assert_same_params(tmp_path, trained_run[0])
 
 
 def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
@@ -282,18 +273,12 @@ FEWSHOT = dict(datasets=('fashion_mnist_embedded',), shots=(1, 5), seeds=1,
 
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
-  """(workdir, few-shot accuracies of its model evaluated again here) of SHORT_RUN trained in
-  this process."""
+  """(workdir, few-shot accuracies at its end) of SHORT_RUN trained in this process."""
   workdir = tmp_path_factory.mktemp('one_process')
   config = tiny_config(**SHORT_RUN)
   config.evals.fewshot.update(FEWSHOT)
-  trainer.train_and_evaluate(config, str(workdir))
-  mesh = trainer.make_mesh(config)
-  params = jax.device_put(final_params(workdir), NamedSharding(mesh, PartitionSpec()))
-  model = trainer.build_model(config, num_classes=10)
-  evaluator = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
-                                                 mesh)
-  return workdir, evaluator.run(params)
+  metrics = trainer.train_and_evaluate(config, str(workdir))
+  return workdir, {name: value for name, value in metrics.items() if name.startswith('fewshot/')}
 
 
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
