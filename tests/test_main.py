@@ -2,7 +2,6 @@
 
 Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time.
 """
-import logging
 import os
 import re
 import resource
@@ -13,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -175,36 +175,72 @@ def interrupt(run, workdir, signal_name, at_step):
   return step
 
 
-def test_ctrl_c_sigterm_and_sigkill_lose_at_most_one_checkpoint_interval_and_resume_alike(
-    tmp_path, trained_run, caplog):
-  """One run of LONG_RUN stopped three ways, each resumed by the command the first printed:
-  Ctrl-C and SIGTERM checkpoint the step they stop at and exit 0; SIGKILL during a save loses
-  at most the steps since the previous checkpoint. Finished, it has the params of the session's
-  run trained in one go (tests/tiny_config.py's; LONG_RUN only logs and keeps more)."""
-  first = MainProcess(tmp_path, LONG_RUN)
-  interrupt(first, tmp_path, 'SIGINT', at_step=10)  # Ctrl-C.
-  command = shlex.split(first.log.split('To resume: ')[1].splitlines()[0])
-  assert command[:3] == ['python', '-m', 'vit_jax.main']
-  resume_command = [sys.executable, *command[1:]]
+@pytest.fixture(scope='module')
+def interrupted_run(tmp_path_factory):
+  """LONG_RUN in one workdir, stopped three ways, each time resumed by the command that the
+  first stop printed, then finished in this process:
+  - `first`, paused at step 10 while `refused` (its command run again: (status, log)) tries
+    the workdir, then stopped there by Ctrl-C;
+  - `killed` (SIGKILL) as soon as the save of step 40 starts (or has ended, if it was too
+    quick to see);
+  - `preempted` by SIGTERM at step 50.
+  interrupt() checks that Ctrl-C and SIGTERM exit 0 with a checkpoint of the step they stop at.
+  """
+  workdir = tmp_path_factory.mktemp('interrupted')
+  run = types.SimpleNamespace(workdir=workdir, first=MainProcess(workdir, LONG_RUN))
+  run.first.wait_for(lambda: 'step 10/60' in run.first.log, 'step 10')
+  run.first.process.send_signal(signal.SIGSTOP)  # It holds the workdir's lock meanwhile.
+  run.refused = run_main(workdir, LONG_RUN)
+  run.first.process.send_signal(signal.SIGCONT)
+  interrupt(run.first, workdir, 'SIGINT', at_step=10)  # Ctrl-C.
+  run.printed_command = shlex.split(run.first.log.split('To resume: ')[1].splitlines()[0])
+  command = [sys.executable, *run.printed_command[1:]]
 
-  killed = MainProcess(None, {}, command=resume_command)
-  checkpoints = tmp_path / 'checkpoints'
-  # Killed as soon as the save of step 40 starts (or has ended, if it was too quick to see).
-  killed.wait_for(lambda: any(name.startswith('40') for name in os.listdir(checkpoints)),
-                  'the save of step 40')
-  killed.process.kill()
-  killed.finish()
-  assert 'Resuming from step' in killed.log
+  run.killed = MainProcess(None, {}, command=command)
+  checkpoints = workdir / 'checkpoints'
+  run.killed.wait_for(lambda: any(name.startswith('40') for name in os.listdir(checkpoints)),
+                      'the save of step 40')
+  run.killed.process.kill()
+  run.killed.finish()
 
-  preempted = MainProcess(None, {}, command=resume_command)
-  stopped = interrupt(preempted, tmp_path, 'SIGTERM', at_step=50)  # Preempted after resuming.
-  resumed = int(preempted.log.split('Resuming from step ')[1].split()[0])
-  assert resumed in (20, 40)  # The save of step 40 ended, or the checkpoint before it is used.
+  run.preempted = MainProcess(None, {}, command=command)
+  interrupt(run.preempted, workdir, 'SIGTERM', at_step=50)
+  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))  # The rest.
+  return run
 
-  with caplog.at_level(logging.INFO):  # The rest, in this process, as the same command would.
-    trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))
-  assert f'Resuming from step {stopped} ' in caplog.text  # From the SIGTERM's checkpoint.
-  assert_same_params(tmp_path, trained_run[0])
+
+# The tests of the interrupted run share one pytest-xdist worker, which runs it once.
+SHARES_INTERRUPTED_RUN = pytest.mark.xdist_group('interrupted_run')
+
+
+@SHARES_INTERRUPTED_RUN
+def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(interrupted_run):
+  assert interrupted_run.printed_command[:3] == ['python', '-m', 'vit_jax.main']
+  for resumed in (interrupted_run.killed, interrupted_run.preempted):
+    assert 'Resuming from step' in resumed.log, resumed.log
+
+
+@SHARES_INTERRUPTED_RUN
+def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(interrupted_run,
+                                                                         trained_run):
+  log = interrupted_run.preempted.log  # Of the run that the killed one's command started.
+  resumed = int(log.split('Resuming from step ')[1].split()[0])
+  assert resumed in (20, 40)  # The save of step 40 ended, or the one before it is used.
+  # Finished, the run has the params of the session's run trained in one go
+  # (tests/tiny_config.py's, which LONG_RUN logs more often and keeps more checkpoints of).
+  assert_same_params(interrupted_run.workdir, trained_run[0])
+
+
+@SHARES_INTERRUPTED_RUN
+def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(interrupted_run):
+  workdir, host = interrupted_run.workdir, socket.gethostname()
+  status, log = interrupted_run.refused
+  assert status == 1, log
+  assert log.strip().splitlines()[-1] == (
+      f'{workdir} is in use by process {interrupted_run.first.process.pid} on {host} (lock '
+      f'{workdir}/lock): wait for that run to end, or use another --workdir.')
+  assert (f'Taking over {workdir}/lock from process {interrupted_run.killed.process.pid} on '
+          f'{host}, which no longer runs.') in interrupted_run.preempted.log
 
 
 def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
@@ -214,29 +250,6 @@ def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
   assert workdirs.default_workdir(command_line.DEFAULT_CONFIG) == os.path.join(
       'workdirs', 'default')
   # The quick start, run without --workdir, writes to ./workdirs/default: test_console.py.
-
-
-# Takes the workdir's lock as a run does, says so, and holds it until killed.
-HOLD_LOCK = ('import sys, time; from vit_jax.training import workdirs; '
-             'lock = workdirs.lock_workdir(sys.argv[1]); print("locked", flush=True); '
-             'time.sleep(600)')
-
-
-def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
-  holder = MainProcess(None, {}, command=[sys.executable, '-c', HOLD_LOCK, str(tmp_path)])
-  holder.wait_for(lambda: 'locked' in holder.log, 'the lock taken')
-  status, log = run_main(tmp_path, {})
-  assert status == 1, log
-  assert log.strip().splitlines()[-1] == (
-      f'{tmp_path} is in use by process {holder.process.pid} on {socket.gethostname()} (lock '
-      f'{tmp_path}/lock): wait for that run to end, or use another --workdir.')
-
-  holder.process.kill()
-  holder.finish()
-  with caplog.at_level(logging.WARNING):  # As the next run takes it.
-    workdirs.release_workdir(workdirs.lock_workdir(str(tmp_path)))
-  assert (f'Taking over {tmp_path}/lock from process {holder.process.pid} on '
-          f'{socket.gethostname()}, which no longer runs.') in caplog.text
 
 
 def test_a_full_disk_is_reported_in_one_line_and_leaves_no_partial_checkpoint(tmp_path):
