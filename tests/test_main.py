@@ -176,7 +176,7 @@ def interrupt(run, workdir, signal_name, at_step):
 
 
 @pytest.fixture(scope='module')
-def interrupted_run(tmp_path_factory):
+def interrupted_run(tmp_path_factory, trained_run):
   """LONG_RUN in one workdir, stopped three ways, each time resumed by the command that the
   first stop printed, then finished in this process:
   - `first`, paused at step 10 while `refused` (its command run again: (status, log)) tries
@@ -185,7 +185,10 @@ def interrupted_run(tmp_path_factory):
     quick to see);
   - `preempted` by SIGTERM at step 50.
   interrupt() checks that Ctrl-C and SIGTERM exit 0 with a checkpoint of the step they stop at.
+  The session's run, trained first, leaves the programs that these processes compile in the
+  XLA cache (tests/conftest.py).
   """
+  del trained_run
   workdir = tmp_path_factory.mktemp('interrupted')
   run = types.SimpleNamespace(workdir=workdir, first=MainProcess(workdir, LONG_RUN))
   run.first.wait_for(lambda: 'step 10/60' in run.first.log, 'step 10')
