@@ -181,9 +181,9 @@ def interrupted_run(tmp_path_factory, trained_run):
   first stop printed, then finished in this process:
   - `first`, paused at step 10 while `refused` (its command run again: (status, log)) tries
     the workdir, then stopped there by Ctrl-C;
-  - `killed` (SIGKILL) as soon as the save of step 40 starts (or has ended, if it was too
+  - `killed` (SIGKILL) as soon as the save of step 20 starts (or has ended, if it was too
     quick to see);
-  - `preempted` by SIGTERM at step 50.
+  - `preempted` by SIGTERM at step 30, 30 steps before the end.
   interrupt() checks that Ctrl-C and SIGTERM exit 0 with a checkpoint of the step they stop at.
   The session's run, trained first, leaves the programs that these processes compile in the
   XLA cache (tests/conftest.py).
@@ -195,19 +195,19 @@ def interrupted_run(tmp_path_factory, trained_run):
   run.first.process.send_signal(signal.SIGSTOP)  # It holds the workdir's lock meanwhile.
   run.refused = run_main(workdir, LONG_RUN)
   run.first.process.send_signal(signal.SIGCONT)
-  interrupt(run.first, workdir, 'SIGINT', at_step=10)  # Ctrl-C.
+  run.ctrl_c_step = interrupt(run.first, workdir, 'SIGINT', at_step=10)  # Ctrl-C.
   run.printed_command = shlex.split(run.first.log.split('To resume: ')[1].splitlines()[0])
   command = [sys.executable, *run.printed_command[1:]]
 
   run.killed = MainProcess(None, {}, command=command)
   checkpoints = workdir / 'checkpoints'
-  run.killed.wait_for(lambda: any(name.startswith('40') for name in os.listdir(checkpoints)),
-                      'the save of step 40')
+  run.killed.wait_for(lambda: any(name.startswith('20') for name in os.listdir(checkpoints)),
+                      'the save of step 20')
   run.killed.process.kill()
   run.killed.finish()
 
   run.preempted = MainProcess(None, {}, command=command)
-  interrupt(run.preempted, workdir, 'SIGTERM', at_step=50)
+  interrupt(run.preempted, workdir, 'SIGTERM', at_step=30)
   trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))  # The rest.
   return run
 
@@ -228,7 +228,8 @@ def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(interrupt
                                                                          trained_run):
   log = interrupted_run.preempted.log  # Of the run that the killed one's command started.
   resumed = int(log.split('Resuming from step ')[1].split()[0])
-  assert resumed in (20, 40)  # The save of step 40 ended, or the one before it is used.
+  # The save of step 20 ended, or the checkpoint before it (of the Ctrl-C) is used.
+  assert resumed in (interrupted_run.ctrl_c_step, 20)
   # Finished, the run has the params of the session's run trained in one go
   # (tests/tiny_config.py's, which LONG_RUN logs more often and keeps more checkpoints of).
   assert_same_params(interrupted_run.workdir, trained_run[0])
