@@ -1,20 +1,19 @@
 """Tests of the console, vit_jax/console.py: the filter, the live bar, no native or library lines.
 
-The quick start's console and every command's are checked where they run, tests/test_commands.py.
+The quick start's console and every command's are checked where they run, tests/test_commands.py;
+a finished run's command run again, in tests/test_config_errors.py (the damaged config.json).
 """
 import gc
 import io
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import TINY_CONFIG
 from helpers import xla_flags
 from vit_jax import console
 from vit_jax.training import trainer
@@ -102,18 +101,3 @@ def test_progress_lines_become_one_live_bar_on_a_terminal():
   bar_end = lines[-3].rsplit('\r', 1)[-1]  # The finished bar: its last drawing.
   assert bar_end.startswith('100%|') and bar_end.endswith('step 60/60: loss 0.5'), lines
   assert lines[-2].endswith(' Done.') and lines[-1] == '', lines
-
-
-def test_a_resumed_run_shows_no_library_warning(tmp_path, trained_run):
-  """Running a finished run's command again restores its last checkpoint and evaluates it."""
-  workdir = tmp_path / 'run'
-  shutil.copytree(trained_run[0], workdir)
-  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
-  env['XLA_FLAGS'] = xla_flags(None)
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={workdir}'],
-      env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr
-  assert f'Resuming from step 60 of {workdir}/checkpoints.' in result.stderr, result.stderr
-  # Orbax's 'Metadata file does not exist: .../checkpoints/60/state/_CHECKPOINT_METADATA'.
-  assert 'WARNING' not in result.stderr, result.stderr

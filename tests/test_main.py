@@ -2,7 +2,6 @@
 
 Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time.
 """
-import logging
 import os
 import re
 import resource
@@ -13,9 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 import optax
 import pytest
@@ -27,13 +26,13 @@ from vit_jax.checkpoints import npz
 from vit_jax.config import command_line
 from vit_jax.config import fields
 from vit_jax.config import defaults
-from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import analysis
 from vit_jax.training import resume
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
 
-# Long enough to be interrupted in the middle: 60 steps, a checkpoint every 20.
+# The run of tests/tiny_config.py (60 steps, a checkpoint every 20), logged every 10 steps to be
+# interrupted in the middle, keeping the checkpoints of its stops too.
 LONG_RUN = {'total_steps': 60, 'checkpoint_every': 20, 'eval_every': 60, 'progress_every': 10,
             'keep_checkpoints': 5}
 TIMEOUT = 300  # Seconds any one process may run.
@@ -97,18 +96,6 @@ def run_main(workdir, overrides, *extra, **kwargs):
   return process.finish(), process.log
 
 
-@pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
-  """The workdir of the long run trained in one go, in this process (the same 8 CPU devices)."""
-  workdir = tmp_path_factory.mktemp('uninterrupted')
-  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))
-  return workdir
-
-
-# The tests that compare with it run in one pytest-xdist worker, which builds it once.
-SHARES_UNINTERRUPTED = pytest.mark.xdist_group('uninterrupted')
-
-
 def final_params(workdir):
   return npz.load(os.path.join(workdir, 'model.npz'))
 
@@ -118,9 +105,12 @@ def assert_same_params(workdir, reference_workdir):
                final_params(reference_workdir))
 
 
-def test_bad_config_is_reported_in_one_line(tmp_path):
-  status, log = run_main(tmp_path, {'batch': 100, 'batch_eval': 100})
+def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
+  # Every value checks.validate_config refuses takes this way: test_config_errors.py.
+  status, log = run_main(tmp_path / 'run', {'batch': 100, 'batch_eval': 100})
   assert status == 1
+  assert 'Traceback' not in log
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
   assert log.strip().splitlines()[-1] == (
       'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
       'config.accum_steps=1: make it a multiple of 8. config.batch_eval=100 is not divisible by '
@@ -170,8 +160,8 @@ def test_unknown_config_field_lists_the_fields_of_its_group():
 
 
 def interrupt(run, workdir, signal_name, at_step):
-  """The log of `run` (of LONG_RUN in `workdir`), sent `signal_name` at `at_step`; checks that
-  it exits 0 having checkpointed the step it stopped at."""
+  """The step that `run` (of LONG_RUN in `workdir`), sent `signal_name` at `at_step`, stopped
+  at; checks that it exits 0 having checkpointed that step."""
   run.wait_for(lambda: f'step {at_step}/60' in run.log, f'step {at_step}')
   run.process.send_signal(getattr(signal, signal_name))
   assert run.finish() == 0, run.log
@@ -182,38 +172,79 @@ def interrupt(run, workdir, signal_name, at_step):
   step = int(stopped[1] or stopped[2])
   assert str(step) in os.listdir(workdir / 'checkpoints')
   assert not os.path.exists(workdir / 'model.npz')
-  return run.log
+  return step
 
 
-@SHARES_UNINTERRUPTED
-def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(
-    tmp_path, uninterrupted):
-  log = interrupt(MainProcess(tmp_path, LONG_RUN), tmp_path, 'SIGINT', at_step=10)  # Ctrl-C.
-  command = shlex.split(log.split('To resume: ')[1].splitlines()[0])
-  assert command[:3] == ['python', '-m', 'vit_jax.main']
-  resumed = MainProcess(None, {}, command=[sys.executable, *command[1:]])
-  log = interrupt(resumed, tmp_path, 'SIGTERM', at_step=20)  # A preemption of the resumed run.
-  assert 'Resuming from step' in log
-  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))  # The rest, in this process.
-  assert_same_params(tmp_path, uninterrupted)
+@pytest.fixture(scope='module')
+def interrupted_run(tmp_path_factory, trained_run):
+  """LONG_RUN in one workdir, stopped three ways, each time resumed by the command that the
+  first stop printed, then finished in this process:
+  - `first`, paused at step 10 while `refused` (its command run again: (status, log)) tries
+    the workdir, then stopped there by Ctrl-C;
+  - `killed` (SIGKILL) as soon as the save of step 20 starts (or has ended, if it was too
+    quick to see);
+  - `preempted` by SIGTERM at step 30, 30 steps before the end.
+  interrupt() checks that Ctrl-C and SIGTERM exit 0 with a checkpoint of the step they stop at.
+  The session's run, trained first, leaves the programs that these processes compile in the
+  XLA cache (tests/conftest.py).
+  """
+  del trained_run
+  workdir = tmp_path_factory.mktemp('interrupted')
+  run = types.SimpleNamespace(workdir=workdir, first=MainProcess(workdir, LONG_RUN))
+  run.first.wait_for(lambda: 'step 10/60' in run.first.log, 'step 10')
+  run.first.process.send_signal(signal.SIGSTOP)  # It holds the workdir's lock meanwhile.
+  run.refused = run_main(workdir, LONG_RUN)
+  run.first.process.send_signal(signal.SIGCONT)
+  run.ctrl_c_step = interrupt(run.first, workdir, 'SIGINT', at_step=10)  # Ctrl-C.
+  run.printed_command = shlex.split(run.first.log.split('To resume: ')[1].splitlines()[0])
+  command = [sys.executable, *run.printed_command[1:]]
+
+  run.killed = MainProcess(None, {}, command=command)
+  checkpoints = workdir / 'checkpoints'
+  run.killed.wait_for(lambda: any(name.startswith('20') for name in os.listdir(checkpoints)),
+                      'the save of step 20')
+  run.killed.process.kill()
+  run.killed.finish()
+
+  run.preempted = MainProcess(None, {}, command=command)
+  interrupt(run.preempted, workdir, 'SIGTERM', at_step=30)
+  trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(workdir))  # The rest.
+  return run
 
 
-@SHARES_UNINTERRUPTED
-def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(
-    tmp_path, uninterrupted, caplog):
-  run = MainProcess(tmp_path, LONG_RUN)
-  checkpoints = tmp_path / 'checkpoints'
-  # Killed as soon as the save of step 40 starts (or has ended, if it was too quick to see).
-  run.wait_for(lambda: checkpoints.exists() and any(
-      name.startswith('40') for name in os.listdir(checkpoints)), 'the save of step 40')
-  run.process.kill()
-  run.finish()
+# The tests of the interrupted run share one pytest-xdist worker, which runs it once.
+SHARES_INTERRUPTED_RUN = pytest.mark.xdist_group('interrupted_run')
 
-  with caplog.at_level(logging.INFO):  # Resumed here, as the same command would.
-    trainer.train_and_evaluate(tiny_config(**LONG_RUN), str(tmp_path))
-  resumed = int(caplog.text.split('Resuming from step ')[1].split()[0])
-  assert resumed in (20, 40)
-  assert_same_params(tmp_path, uninterrupted)
+
+@SHARES_INTERRUPTED_RUN
+def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(interrupted_run):
+  assert interrupted_run.printed_command[:3] == ['python', '-m', 'vit_jax.main']
+  for resumed in (interrupted_run.killed, interrupted_run.preempted):
+    assert 'Resuming from step' in resumed.log, resumed.log
+
+
+@SHARES_INTERRUPTED_RUN
+def test_sigkill_during_training_loses_at_most_one_checkpoint_interval(interrupted_run,
+                                                                         trained_run):
+  log = interrupted_run.preempted.log  # Of the run that the killed one's command started.
+  resumed = int(log.split('Resuming from step ')[1].split()[0])
+  # The save of step 20 ended, or the checkpoint before it (of the Ctrl-C) is used.
+  assert resumed in (interrupted_run.ctrl_c_step, 20)
+  # Finished, the run has the params of the session's run trained in one go
+  # (tests/tiny_config.py's, which LONG_RUN logs more often and keeps more checkpoints of).
+  assert_same_params(interrupted_run.workdir, trained_run[0])
+
+
+@SHARES_INTERRUPTED_RUN
+def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(interrupted_run):
+  workdir, host = interrupted_run.workdir, socket.gethostname()
+  status, log = interrupted_run.refused
+  assert status == 1, log
+  assert log.strip().splitlines()[-1] == (
+      f'{workdir} is in use by process {interrupted_run.first.process.pid} on {host} (lock '
+      f'{workdir}/lock): wait for that run to end, or use another --workdir.')
+  assert (f'Taking over {workdir}/lock from process {interrupted_run.killed.process.pid} on '
+          f'{host}, which no longer runs.') in interrupted_run.preempted.log
 
 
 def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
@@ -223,29 +254,6 @@ def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():
   assert workdirs.default_workdir(command_line.DEFAULT_CONFIG) == os.path.join(
       'workdirs', 'default')
   # The quick start, run without --workdir, writes to ./workdirs/default: test_console.py.
-
-
-# Takes the workdir's lock as a run does, says so, and holds it until killed.
-HOLD_LOCK = ('import sys, time; from vit_jax.training import workdirs; '
-             'lock = workdirs.lock_workdir(sys.argv[1]); print("locked", flush=True); '
-             'time.sleep(600)')
-
-
-def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
-  holder = MainProcess(None, {}, command=[sys.executable, '-c', HOLD_LOCK, str(tmp_path)])
-  holder.wait_for(lambda: 'locked' in holder.log, 'the lock taken')
-  status, log = run_main(tmp_path, {})
-  assert status == 1, log
-  assert log.strip().splitlines()[-1] == (
-      f'{tmp_path} is in use by process {holder.process.pid} on {socket.gethostname()} (lock '
-      f'{tmp_path}/lock): wait for that run to end, or use another --workdir.')
-
-  holder.process.kill()
-  holder.finish()
-  with caplog.at_level(logging.WARNING):  # As the next run takes it.
-    workdirs.release_workdir(workdirs.lock_workdir(str(tmp_path)))
-  assert (f'Taking over {tmp_path}/lock from process {holder.process.pid} on '
-          f'{socket.gethostname()}, which no longer runs.') in caplog.text
 
 
 def test_a_full_disk_is_reported_in_one_line_and_leaves_no_partial_checkpoint(tmp_path):
@@ -282,18 +290,12 @@ FEWSHOT = dict(datasets=('fashion_mnist_embedded',), shots=(1, 5), seeds=1,
 
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
-  """(workdir, few-shot accuracies of its model evaluated again here) of SHORT_RUN trained in
-  this process."""
+  """(workdir, few-shot accuracies at its end) of SHORT_RUN trained in this process."""
   workdir = tmp_path_factory.mktemp('one_process')
   config = tiny_config(**SHORT_RUN)
   config.evals.fewshot.update(FEWSHOT)
-  trainer.train_and_evaluate(config, str(workdir))
-  mesh = trainer.make_mesh(config)
-  params = jax.device_put(final_params(workdir), NamedSharding(mesh, PartitionSpec()))
-  model = trainer.build_model(config, num_classes=10)
-  evaluator = fewshot_evaluator.FewshotEvaluator('fewshot', config.evals.fewshot, config, model,
-                                                 mesh)
-  return workdir, evaluator.run(params)
+  metrics = trainer.train_and_evaluate(config, str(workdir))
+  return workdir, {name: value for name, value in metrics.items() if name.startswith('fewshot/')}
 
 
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
