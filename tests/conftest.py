@@ -70,7 +70,9 @@ def train_tiny_run(workdir: str) -> dict[str, float]:
 
 
 def pytest_xdist_auto_num_workers(config):
-  """One pytest-xdist worker per core, plus one (at most 4 in all): much of the suite waits on the
-  processes it starts (signals, heartbeats, a killed peer), time a further worker fills."""
+  """One pytest-xdist worker per core, at most 4: the suite is CPU-bound, and a worker beyond the
+  cores, meant to fill the time the suite waits on its processes (signals, heartbeats, a killed
+  peer), costs more in imports and tracing of its own than those waits leave idle
+  (docs/testing.md)."""
   del config
-  return min(4, (os.cpu_count() or 1) + 1)
+  return min(4, os.cpu_count() or 1)
