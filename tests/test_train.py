@@ -432,11 +432,15 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tm
 
 
 def test_rerun_of_a_finished_run_evaluates_it_and_keeps_keep_checkpoints(trained_run,
-                                                                        tmp_path):
+                                                                        tmp_path, caplog):
   workdir = copy_of_run(trained_run, tmp_path)
-  metrics = trainer.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    metrics = trainer.train_and_evaluate(tiny_config(keep_checkpoints=1), workdir)
   assert metrics['test_accuracy'] == trained_run[1]['test_accuracy']
   assert checkpoint_steps(workdir) == [60]
+  # It restored into the state's shapes: no init of a state at step 0 was compiled to be replaced.
+  compiled = re.findall(r'Compiling (jit\(\w+\))', caplog.text)
+  assert compiled and 'jit(init)' not in compiled, compiled
 
 
 def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
