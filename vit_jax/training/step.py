@@ -87,6 +87,8 @@ def mixup(rng: jax.Array, batch: Batch, alpha: float, num_classes: int) -> Batch
   mix = lambda x: ratio * x + (1 - ratio) * jnp.roll(x, 1, axis=0)
   return {'image': mix(batch['image']),
           'label': mix(tasks.supervised.targets_of(batch['label'], num_classes))}
+
+
 def ema_update(ema: Any, params: Any, decay: float) -> Any:
   """One step of the exponential moving average of the weights: decay * ema + (1 - decay) *
   params, leaf by leaf."""
