@@ -6,6 +6,9 @@ import shutil
 import signal
 
 import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 import numpy as np
 import pytest
 
@@ -412,6 +415,30 @@ def test_a_save_left_unfinished_by_a_killed_run_is_gone_once_the_checkpoints_ope
     assert checkpoints.latest_step() is None
   finally:
     checkpoints.close()
+
+
+def test_one_process_saves_each_replicated_array_whole_and_restores_it(tmp_path, caplog):
+  # Replicated over the 8 devices, as data parallelism keeps the params. Replica-parallel saving
+  # would cut it into 8 slices of 2 rows, each sliced by a program of its own; one process has
+  # no other host to share the writing with.
+  replicated = NamedSharding(Mesh(np.array(jax.devices()), ('data',)), PartitionSpec())
+  weights = jax.device_put(np.arange(16 * 3, dtype=np.float32).reshape(16, 3), replicated)
+  state = train_step.TrainState(step=jax.device_put(np.int32(5), replicated),
+                                params={'w': weights}, opt_state={},
+                                rng=jax.device_put(np.zeros(2, np.uint32), replicated))
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path), keep=None)
+  try:
+    with jax.log_compiles(), caplog.at_level('WARNING'):
+      checkpoints.save(state, {'position': 3})
+      checkpoints.confirm(wait=True)
+    assert not re.findall(r'Compiling jit\(\w*slice\w*\)', caplog.text), caplog.text
+    shardings = jax.tree.map(lambda _: replicated, state)
+    restored, data_state = checkpoints.restore(state, shardings)
+  finally:
+    checkpoints.close()
+  assert data_state == {'position': 3} and int(restored.step) == 5
+  np.testing.assert_array_equal(restored.params['w'], np.arange(48).reshape(16, 3))
+  assert restored.params['w'].sharding == replicated
 
 
 def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tmp_path,
