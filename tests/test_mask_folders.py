@@ -67,6 +67,34 @@ def classes_of_colours(image):
 
 
 def test_test_batches_hold_each_mask_resized_to_the_nearest_pixel(folder):
+  assert_test_batches_hold_their_masks(folder)
+
+
+def test_palette_masks_give_their_indices_as_class_ids(folder):
+  # Pascal VOC's masks: palette PNGs, the index the class id, in colours that are not the ids.
+  palette = [level for i in range(256) for level in COLOURS.get(i, (i, i, i))]
+  for split, examples in (('train', TRAIN), ('test', TEST)):
+    for name, (classes, (height, width)) in examples.items():
+      ids = quadrants(classes, (height, width)).astype(np.uint8)
+      mask = Image.frombytes('P', (width, height), ids.tobytes())
+      mask.putpalette(palette)
+      mask.save(folder / split / 'masks' / f'{name}.png')
+  assert Image.open(folder / 'test' / 'masks' / 'd.png').mode == 'P'
+  info = dataset_checks.check_data(config_of(folder), '')
+  assert info.label_names == ['class 0', 'class 1', 'class 2', 'class 3']
+  assert_test_batches_hold_their_masks(folder)
+
+
+def test_a_colour_mask_is_a_one_line_error_naming_it(folder):
+  Image.fromarray(np.zeros((24, 40, 3), np.uint8)).save(folder / 'test' / 'masks' / 'd.png')
+  with pytest.raises(ConfigError, match=r'The mask .*d\.png is a PNG image of mode RGB; a mask is '
+                     r'an 8-bit PNG of class ids, greyscale .* or palette '
+                     r'\(mode P: the indices are the ids\)\.$'):
+    dataset_checks.check_data(config_of(folder), 'Config error: ')
+
+
+def assert_test_batches_hold_their_masks(folder):
+  """The test batches of `folder` hold TEST's images, each with its mask at 14 px."""
   batches = list(pipeline.eval_batches(config_of(folder)))
   real = np.concatenate([b['mask'] for b in batches]) == 1
   labels = np.concatenate([b['label'] for b in batches])[real]

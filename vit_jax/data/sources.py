@@ -222,14 +222,19 @@ def is_mask_folder(directory: str) -> bool:
   return all(os.path.isdir(os.path.join(directory, 'train', d)) for d in (IMAGES, MASKS))
 
 
+# The PNG modes of a mask, whose pixel values (greyscale) or palette indices are class ids.
+MASK_MODES = ('L', 'P')
+
+
 def _check_mask_file(image: str, mask: str) -> None:
-  """A DataError naming `mask` where it is not an 8-bit greyscale PNG the size of `image`; reads
-  the files' headers only."""
+  """A DataError naming `mask` where it is not an 8-bit greyscale or palette PNG the size of
+  `image`; reads the files' headers only."""
   with Image.open(image) as pixels, Image.open(mask) as ids:
-    if ids.format != 'PNG' or ids.mode != 'L':
+    if ids.format != 'PNG' or ids.mode not in MASK_MODES:
       raise shards.DataError(
-          f'The mask {mask} is a {ids.format} image of mode {ids.mode}; a mask is an 8-bit '
-          'greyscale PNG (mode L) of class ids, e.g. PIL.Image.fromarray(ids.astype(np.uint8)).')
+          f'The mask {mask} is a {ids.format} image of mode {ids.mode}; a mask is an 8-bit PNG '
+          'of class ids, greyscale (mode L, e.g. PIL.Image.fromarray(ids.astype(np.uint8))) or '
+          'palette (mode P: the indices are the ids).')
     if ids.size != pixels.size:
       raise shards.DataError(f'The mask {mask} is {ids.size[0]}x{ids.size[1]} px, its image '
                              f'{image} {pixels.size[0]}x{pixels.size[1]}: give them one size.')
@@ -263,6 +268,13 @@ def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndar
   return np.array(images)[order], np.array(masks)[order]
 
 
+def read_mask(path: str | bytes) -> np.ndarray:
+  """uint8 (height, width) class ids of the mask PNG at `path`: a greyscale PNG's values, a
+  palette PNG's indices (TensorFlow's PNG decoder would give a palette's colours)."""
+  with Image.open(os.fsdecode(path)) as ids:
+    return np.asarray(ids, np.uint8)
+
+
 def mask_class_names(directory: str, train_masks: np.ndarray) -> list[str]:
   """The lines of `directory`/CLASSES_TXT; without it, 'class 0' to 'class K', K the largest id
   (other than MASK_IGNORE) of the `train_masks` (paths relative to `directory`), all read."""
@@ -272,8 +284,7 @@ def mask_class_names(directory: str, train_masks: np.ndarray) -> list[str]:
       return [line.strip() for line in f.read().strip('\n').split('\n')]
   largest = 0
   for mask in train_masks:
-    with Image.open(os.path.join(directory, mask)) as ids:
-      ids = np.asarray(ids)
+    ids = read_mask(os.path.join(directory, mask))
     largest = max(largest, int(ids[ids != MASK_IGNORE].max(initial=0)))
   logging.info('%s has no %s: read its %d train masks, classes 0-%d (name them in %s, one a '
                'line, to skip this).', directory, CLASSES_TXT, len(train_masks), largest, path)
@@ -288,7 +299,8 @@ def mask_decoder(directory: str, num_classes: int):
   ids; an error naming the file where an id is neither < `num_classes` nor MASK_IGNORE."""
   def decode(mask: tf.Tensor) -> tf.Tensor:
     path = tf.strings.join([directory, mask], os.sep)
-    ids = tf.io.decode_png(tf.io.read_file(path), channels=1)[..., 0]
+    ids = tf.numpy_function(read_mask, [path], tf.uint8, stateful=False)
+    ids.set_shape([None, None])
     known = tf.reduce_all((ids < num_classes) | (ids == MASK_IGNORE))
     message = tf.strings.join(['The mask ', path, f' has a class id of {num_classes} or more '
                                f'(not {MASK_IGNORE}, unlabelled): it has {num_classes} classes'])
