@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from helpers import random_params
@@ -417,28 +418,55 @@ def test_a_save_left_unfinished_by_a_killed_run_is_gone_once_the_checkpoints_ope
     checkpoints.close()
 
 
-def test_one_process_saves_each_replicated_array_whole_and_restores_it(tmp_path, caplog):
-  # Replicated over the 8 devices, as data parallelism keeps the params. Replica-parallel saving
-  # would cut it into 8 slices of 2 rows, each sliced by a program of its own; one process has
-  # no other host to share the writing with.
+def replicated_state() -> tuple[train_step.TrainState, NamedSharding]:
+  """A small train state replicated over the 8 devices, as data parallelism keeps the params,
+  and that sharding."""
   replicated = NamedSharding(Mesh(np.array(jax.devices()), ('data',)), PartitionSpec())
   weights = jax.device_put(np.arange(16 * 3, dtype=np.float32).reshape(16, 3), replicated)
-  state = train_step.TrainState(step=jax.device_put(np.int32(5), replicated),
-                                params={'w': weights}, opt_state={},
-                                rng=jax.device_put(np.zeros(2, np.uint32), replicated))
-  checkpoints = state_checkpoints.Checkpoints(str(tmp_path), keep=None)
+  return train_step.TrainState(step=jax.device_put(np.int32(5), replicated),
+                               params={'w': weights}, opt_state={},
+                               rng=jax.device_put(np.zeros(2, np.uint32), replicated)), replicated
+
+
+def restored_from(directory, state, replicated):
+  """The (state, data-iterator state) that Checkpoints restores from `directory`."""
+  checkpoints = state_checkpoints.Checkpoints(str(directory), keep=None)
   try:
-    with jax.log_compiles(), caplog.at_level('WARNING'):
-      checkpoints.save(state, {'position': 3})
-      checkpoints.confirm(wait=True)
-    assert not re.findall(r'Compiling jit\(\w*slice\w*\)', caplog.text), caplog.text
-    shardings = jax.tree.map(lambda _: replicated, state)
-    restored, data_state = checkpoints.restore(state, shardings)
+    restored, data_state = checkpoints.restore(state, jax.tree.map(lambda _: replicated, state))
   finally:
     checkpoints.close()
   assert data_state == {'position': 3} and int(restored.step) == 5
   np.testing.assert_array_equal(restored.params['w'], np.arange(48).reshape(16, 3))
   assert restored.params['w'].sharding == replicated
+
+
+def test_one_process_saves_each_replicated_array_whole_and_restores_it(tmp_path, caplog):
+  # Replica-parallel saving would cut the (16, 3) array into 8 slices of 2 rows, each sliced by a
+  # program of its own; one process has no other host to share the writing with.
+  state, replicated = replicated_state()
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path), keep=None)
+  try:
+    with jax.log_compiles(), caplog.at_level('WARNING'):
+      checkpoints.save(state, {'position': 3})
+      checkpoints.confirm(wait=True)
+  finally:
+    checkpoints.close()
+  assert not re.findall(r'Compiling jit\(\w*slice\w*\)', caplog.text), caplog.text
+  restored_from(tmp_path, state, replicated)
+
+
+def test_a_checkpoint_saved_by_orbaxs_standard_handler_restores(tmp_path):
+  # Earlier versions saved the train state with StandardCheckpointHandler: the same files.
+  state, replicated = replicated_state()
+  manager = ocp.CheckpointManager(
+      tmp_path / 'checkpoints', options=ocp.CheckpointManagerOptions(create=True),
+      item_handlers={'state': ocp.StandardCheckpointHandler(),
+                     'data': ocp.JsonCheckpointHandler()})
+  manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                          data=ocp.args.JsonSave({'position': 3})))
+  manager.wait_until_finished()
+  manager.close()
+  restored_from(tmp_path, state, replicated)
 
 
 def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tmp_path,
