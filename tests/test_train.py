@@ -455,18 +455,31 @@ def test_one_process_saves_each_replicated_array_whole_and_restores_it(tmp_path,
   restored_from(tmp_path, state, replicated)
 
 
-def test_a_checkpoint_saved_by_orbaxs_standard_handler_restores(tmp_path):
-  # Earlier versions saved the train state with StandardCheckpointHandler: the same files.
+def test_checkpoints_restore_with_orbaxs_standard_handler_both_ways(tmp_path):
+  # Earlier versions saved the train state with StandardCheckpointHandler: the same array files.
   state, replicated = replicated_state()
-  manager = ocp.CheckpointManager(
-      tmp_path / 'checkpoints', options=ocp.CheckpointManagerOptions(create=True),
+  standard = lambda directory: ocp.CheckpointManager(
+      directory / 'checkpoints', options=ocp.CheckpointManagerOptions(create=True),
       item_handlers={'state': ocp.StandardCheckpointHandler(),
                      'data': ocp.JsonCheckpointHandler()})
+  manager = standard(tmp_path / 'earlier')
   manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                           data=ocp.args.JsonSave({'position': 3})))
   manager.wait_until_finished()
   manager.close()
-  restored_from(tmp_path, state, replicated)
+  restored_from(tmp_path / 'earlier', state, replicated)
+  # And a checkpoint of this version restores with the standard handler (a downgrade).
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path / 'now'), keep=None)
+  checkpoints.save(state, {'position': 3})
+  checkpoints.close()
+  manager = standard(tmp_path / 'now')
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                          state)
+  restored = manager.restore(5, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                        data=ocp.args.JsonRestore()))
+  manager.close()
+  assert restored.data == {'position': 3}
+  np.testing.assert_array_equal(restored.state.params['w'], np.arange(48).reshape(16, 3))
 
 
 def test_damaged_newest_checkpoint_is_skipped_for_the_one_before(trained_run, tmp_path,
