@@ -85,8 +85,8 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
   replica-parallel saving only where several processes share the devices. That splits each
   array replicated over N devices into N slices, so that the hosts share the writing; within
   one process, where the writing is not shared, it only costs a slicing program per array and
-  replica at every save, on the main thread (about 0.4 s a save for the tests' one-block model
-  on 8 devices, more for more arrays; Orbax's own default turns it off on GPUs). The arrays'
+  replica at every save, on the main thread (docs/distributed.md has the cost; Orbax's own
+  default turns it off on GPUs). The arrays'
   files are the same either way. Left out is the per-host array metadata that Orbax's default
   handler adds (each array's write shape), which it reads back only for typed PRNG keys (the
   state's key is raw uint32): checkpoints of either handler restore with the other."""
