@@ -234,6 +234,25 @@ def test_fine_tune_from_npz_at_another_resolution_reads_deprecated_overrides_int
   assert not model.approximate_gelu  # The override, now in the spec of the run's model.npz.
 
 
+def test_a_resumed_fine_tune_restores_its_checkpoint_without_reading_the_pretrained_file(
+    trained_run, tmp_path):
+  pretrained = tmp_path / 'pretrained.npz'
+  shutil.copy(os.path.join(trained_run[0], 'model.npz'), pretrained)
+  config = tiny_config(total_steps=4, eval_every=4, checkpoint_every=4, progress_every=2,
+                       pretrained_path=str(pretrained))
+  trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+  params = npz.load(pretrained)  # Replaced by weights that cannot start this model.
+  params['Transformer']['encoder_norm'] = {'scale': np.ones(48), 'bias': np.zeros(48)}
+  npz.save(params, str(pretrained), spec=npz.read_spec(str(pretrained)))
+  config.total_steps = 6
+  trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+  checkpoints = state_checkpoints.Checkpoints(str(tmp_path / 'run'), keep=2)
+  assert checkpoints.latest_step() == 6
+  checkpoints.close()
+  with pytest.raises(checks.ConfigError, match='does not fit'):  # A fresh run reads them.
+    trainer.train_and_evaluate(config, str(tmp_path / 'fresh'))
+
+
 def test_unreadable_model_overrides_are_a_config_error(trained_run, tmp_path):
   converted = npz_without_spec(trained_run, tmp_path)
   (tmp_path / 'converted.overrides.json').write_text('{not json')

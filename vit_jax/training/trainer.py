@@ -108,14 +108,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if is_main:
     resume.remove_stale_temporaries(workdir)
 
-  params = None
-  if config.pretrained_path:
-    params = load_pretrained_params(config, model)
-  shapes, shardings = abstract_train_state(config, model, optimizer, mesh, config.pp.crop, params)
+  shapes, shardings = abstract_train_state(config, model, optimizer, mesh, config.pp.crop)
   if param_groups.is_set(config):
     logging.info('%s', param_groups.summary(config, shapes.params))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
-  start = lambda: initial_train_state(config, model, optimizer, shardings, config.pp.crop, params)
+
+  def start() -> TrainState:
+    """The state at step 0: only a run that restores no checkpoint reads the pretrained file
+    (a resume of a fine-tune loads none of it, and compiles no init)."""
+    params = load_pretrained_params(config, model) if config.pretrained_path else None
+    return initial_train_state(config, model, optimizer, shardings, config.pp.crop, params)
+
   try:
     state, train_iter = restore_or_start(config, checkpoints, shapes, shardings, mesh, start)
     if is_main:  # Only now: a resume that fails keeps the config.json of the run it found.
