@@ -151,12 +151,12 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
   if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(read_only)],
                     capture_output=True, check=False).returncode:
     pytest.skip('mounting a read-only tmpfs is not permitted here (it needs root)')
-  try:  # The line of the same exit as above, here without the process.
-    with pytest.raises(SystemExit) as exited:
+  try:  # The line of the same error as above, here without the process.
+    with pytest.raises(workdirs.WorkdirError) as refused:
       workdirs.lock_workdir(f'{read_only}/run')
   finally:
     subprocess.run(['umount', str(read_only)], check=True)
-  assert exited.value.code == (
+  assert str(refused.value) == (
       f'--workdir={read_only}/run cannot be written (Read-only file system: {read_only}/run): '
       'give a folder that can be written (it is made if missing).')
 

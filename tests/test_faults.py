@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from vit_jax.distributed import heartbeats
 from vit_jax.tools import export
 from vit_jax.training import summaries
 from vit_jax.training import trainer
+from vit_jax.training import workdirs
 
 # Checkpoints of the tiny config take about 300 KiB each, its model.npz 68 KiB.
 FULL_DISK_RUN = {'total_steps': 300, 'checkpoint_every': 10, 'eval_every': 1000,
@@ -354,6 +356,30 @@ def test_process_0_killed_in_a_two_process_run_is_named_in_one_line_by_the_other
   for dump in ('Check failure stack trace', 'Fatal Python error', 'Thread 0x', 'Traceback'):
     assert dump not in runs[1].log
   assert named_checkpoint_is_complete(last, tmp_path)
+
+
+def test_a_two_process_run_into_a_workdir_in_use_stops_both_in_one_line_each(tmp_path):
+  held = workdirs.lock_workdir(str(tmp_path))  # As another run's: here this test's process's.
+  try:
+    runs = two_processes(tmp_path, KILLED_RUN)
+    refused = (f'{tmp_path} is in use by process {os.getpid()} on {socket.gethostname()} (lock '
+               f'{tmp_path}/lock): wait for that run to end, or use another --workdir.')
+    runs[0].wait_for(lambda: refused in runs[0].log, 'the refusal')
+    said = time.monotonic()
+    assert [run.finish() for run in runs] == [1, 1], '\n\n'.join(run.log for run in runs)
+    # Process 1 hears of it at its next heartbeat. Without it, process 1 waited for the
+    # heartbeats of process 0 (30 s), and process 0 for JAX's shutdown barrier (100 s), then
+    # aborted with a stack dump.
+    assert time.monotonic() - said < 4 * heartbeats.HEARTBEAT_S + 5
+  finally:
+    workdirs.release_workdir(held)
+  assert runs[0].log.strip().splitlines()[-1] == refused, runs[0].log
+  assert runs[1].log.strip().splitlines()[-1] == (
+      f'Stopped process 1 of 2 too, because process 0 stopped: {refused}'), runs[1].log
+  for run in runs:
+    for dump in ('Traceback', 'Check failure stack trace', 'Fatal Python error',
+                 'coordination service'):
+      assert dump not in run.log, run.log
 
 
 # A process that writes to its stderr through the filter, as process 1 of 2 does, and stops at

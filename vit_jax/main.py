@@ -72,36 +72,41 @@ def start_processes(config: ml_collections.ConfigDict, log_all: bool) -> None:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains `config` in `workdir`, which process 0 locks, with the heartbeats of several
   processes; returns the run's last metrics. Exits with one line for an error a user can act
-  on."""
-  lock = workdirs.lock_workdir(workdir) if jax.process_index() == 0 else None
+  on; with several processes, the others stop with that line too."""
   from vit_jax.data import shards
   from vit_jax.training import state_checkpoints
   from vit_jax.training import trainer  # It imports TensorFlow.
   on_gone = functools.partial(startup.exit_for_gone_process, workdir,
                               workdirs.resume_command(workdir))
-  peers = heartbeats.PeerWatch(on_gone).start() if jax.process_count() > 1 else None
+  peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process).start()
+           if jax.process_count() > 1 else None)
+  lock, error = None, None
   try:
+    lock = workdirs.lock_workdir(workdir) if jax.process_index() == 0 else None
     return trainer.train_and_evaluate(config, workdir)
+  except workdirs.WorkdirError as e:
+    error = str(e)
   except checks.ConfigError as e:
-    sys.exit(f'Config error: {e}')
+    error = f'Config error: {e}'
   except shards.DataError as e:  # A training image that does not decode.
-    sys.exit(f'Data error: {e}')
+    error = f'Data error: {e}'
   except trainer.NonFiniteError as e:
-    sys.exit(f'Training stopped: {e}')
+    error = f'Training stopped: {e}'
   except state_checkpoints.CheckpointSaveError as e:
-    sys.exit(f'Checkpoint error: {e}')
+    error = f'Checkpoint error: {e}'
   except KeyboardInterrupt:
-    sys.exit(f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
+    error = (f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
              f'{workdirs.resume_command(workdir)}')
   except Exception:  # E.g. a collective's "Connection reset by peer": a process may be gone.
     if peers:
       peers.wait_for_gone()
     raise
   finally:
-    if peers:  # Done, or an error this process reports itself: the others need not wait.
+    if peers and error is None:  # Done, or raising: the others need not wait for this one.
       peers.stop()
     if lock:
       workdirs.release_workdir(lock)
+  startup.exit_with_error(error, peers)
 
 
 def drop_closed_event_loop_errors(unraisable) -> None:

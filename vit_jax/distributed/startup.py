@@ -2,10 +2,12 @@
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import jax
 
 from vit_jax.distributed import gone_process
+from vit_jax.distributed import heartbeats
 
 # Variables by which clusters that jax.distributed.initialize() detects by itself announce
 # more than one process (Slurm, Open MPI, multi-host TPU slices).
@@ -33,10 +35,38 @@ def exit_for_gone_process(workdir: str, command: str, process: int, seconds: flo
   process) given first: says in one line which process is gone and how to resume, and ends this
   process at once (its collectives would wait for the gone one until JAX's runtime aborts
   it)."""
+  end_with(gone_process.gone_line(
+      f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s',
+      workdir, jax.process_count(), jax.process_index(), command))
+
+
+def exit_for_failed_process(process: int, line: str) -> None:
+  """heartbeats.PeerWatch's `on_failed`: says in one line that this process stops because
+  `process` stopped on its error `line` (which says what to do), and ends this process."""
+  end_with(f'Stopped process {jax.process_index()} of {jax.process_count()} too, because '
+           f'process {process} stopped: {line}')
+
+
+def exit_with_error(line: str, peers: heartbeats.PeerWatch | None) -> NoReturn:
+  """Ends this process with its error's one `line` (exit status 1). With other processes
+  (`peers`), it first tells them, and they stop with the line too (`heartbeats.PeerWatch.fail`)."""
+  if peers is None:
+    sys.exit(line)
+  write_line(line)
+  peers.fail(line)
+  os._exit(1)
+
+
+def end_with(line: str) -> NoReturn:
+  """Writes `line` last and ends this process at once, with exit status 1: without JAX's
+  shutdown barrier, which would wait for the other processes."""
+  write_line(line)
+  os._exit(1)
+
+
+def write_line(line: str) -> None:
+  """`line` on stderr, after every log line written before it."""
   for handler in logging.getLogger().handlers:
     handler.flush()
-  sys.stderr.write(gone_process.gone_line(
-      f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s',
-      workdir, jax.process_count(), jax.process_index(), command) + '\n')
+  sys.stderr.write(line + '\n')
   sys.stderr.flush()
-  os._exit(1)

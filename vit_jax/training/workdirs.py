@@ -10,6 +10,7 @@ import sys
 from typing import TextIO
 
 from vit_jax.config import command_line
+from vit_jax.errors import WorkdirError
 
 
 def default_workdir(config_argument: str, dataset: str | None = None) -> str:
@@ -38,8 +39,8 @@ def _safe_name(text: str) -> str:
 
 def lock_workdir(workdir: str) -> TextIO:
   """Takes `WORKDIR/lock` (an flock, released when the process ends, holding 'process PID on
-  HOST'); exits naming the holder if another run holds it, or in one line if the folder cannot
-  be made or written. Returns the open lock file."""
+  HOST') and returns the open lock file. Raises WorkdirError naming the holder if another run
+  holds it, or in one line if the folder cannot be made or written."""
   path = os.path.join(workdir, 'lock')
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -47,14 +48,14 @@ def lock_workdir(workdir: str) -> TextIO:
   except OSError as e:
     why = 'is a file, not a folder' if os.path.isfile(workdir) else (
         f'cannot be written ({e.strerror}: {e.filename})')
-    sys.exit(f'--workdir={workdir} {why}: give a folder that can be written (it is made if '
-             'missing).')
+    raise WorkdirError(f'--workdir={workdir} {why}: give a folder that can be written (it is '
+                       'made if missing).') from None
   lock.seek(0)
   try:
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    sys.exit(f'{workdir} is in use by {lock.read().strip() or "another run"} (lock {path}): '
-             'wait for that run to end, or use another --workdir.')
+    raise WorkdirError(f'{workdir} is in use by {lock.read().strip() or "another run"} (lock '
+                       f'{path}): wait for that run to end, or use another --workdir.') from None
   if previous := lock.read().strip():  # Its holder ended without releasing it: killed.
     logging.warning('Taking over %s from %s, which no longer runs.', path, previous)
   lock.truncate(0)
