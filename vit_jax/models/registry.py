@@ -10,6 +10,7 @@ num_layers, dropout_rate, attention_dropout_rate, stochastic_depth and its sched
 VisionTransformer), `classifier`, `representation_size`
 and `resnet` (None, or num_layers and width_factor of the hybrid's ResNet stem).
 """
+import dataclasses
 from typing import Optional, Union
 
 import jax
@@ -38,11 +39,13 @@ def full_name(name: str) -> str:
   return SHORT_NAMES.get(name, name)
 
 
-# The transformer fields that `vit` takes no argument for, with the value each model has. A
-# model config without one (an older run's config.json has no stochastic depth) behaves as with
-# this value: vit_jax.models.model_kwargs and train.resume_mismatches read it from here.
-TRANSFORMER_DEFAULTS = {'attention_dropout_rate': 0.0, 'stochastic_depth': 0.0,
-                        'stochastic_depth_schedule': 'linear'}
+# The transformer fields that `vit` takes no argument for, each with VisionTransformer's default
+# (the value every registry model has). A model config without one (an older run's config.json
+# has no stochastic depth) behaves as with this value: `model_kwargs` and
+# training.resume.resume_mismatches read it from here.
+TRANSFORMER_DEFAULTS = {field.name: field.default for field in dataclasses.fields(VisionTransformer)
+                        if field.name in ('attention_dropout_rate', 'stochastic_depth',
+                                          'stochastic_depth_schedule')}
 
 
 def vit(name, patch, hidden, mlp, heads, layers, dropout=0.0, classifier='token'):
