@@ -382,6 +382,26 @@ def test_a_two_process_run_into_a_workdir_in_use_stops_both_in_one_line_each(tmp
       assert dump not in run.log, run.log
 
 
+def test_an_image_that_does_not_decode_in_a_two_process_run_stops_both_in_one_line_each(
+    tmp_path):
+  data = tmp_path / 'images'
+  write_image_folder(data)
+  (data / 'train' / 'coat' / 'broken.png').write_bytes(b'not an image')
+  runs = two_processes(tmp_path / 'run', {'dataset': data, 'test_split': 'test', 'batch': 16,
+                                          'batch_eval': 6, **KILLED_RUN})
+  assert [run.finish() for run in runs] == [1, 1], '\n\n'.join(run.log for run in runs)
+  last = [run.log.strip().splitlines()[-1] for run in runs]
+  error = next(line for line in last if line.startswith('Data error: '))  # Whoever read it.
+  assert error.startswith(f"Data error: Cannot decode 1 image(s) of {data} split 'train': "
+                          f'{data}/train/coat/broken.png ('), error
+  for process, line in enumerate(last):  # The other waited for it in a collective.
+    assert line == error or re.fullmatch(
+        rf'Stopped process {process} of 2 too, because process {1 - process} stopped: '
+        + re.escape(error), line), runs[process].log
+  for run in runs:
+    assert 'Traceback' not in run.log and 'coordination service' not in run.log, run.log
+
+
 # A process that writes to its stderr through the filter, as process 1 of 2 does, and stops at
 # SIGTERM with a line of its own and a C++ log line (which the filter holds for a while).
 FILTERED = """
