@@ -18,6 +18,7 @@ from vit_jax import tpu_topologies
 from vit_jax.config import defaults
 from vit_jax.models import registry
 from vit_jax.models import attention as attention_kernels
+from vit_jax.tools import plan as plan_command
 from vit_jax.training import tpu_plan
 from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
@@ -128,6 +129,20 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
   assert {d.platform for d in mesh.devices.flat} == {'tpu'}
   assert dict(mesh.shape) == {'data': 4 // model_axis, 'model': model_axis}
   assert 0 < fit.memory_of(compiled).total_bytes < tpu_topologies.GENERATIONS['v5e'].hbm_bytes
+
+
+def test_the_flops_of_an_accumulated_step_count_every_micro_batch():
+  # Accumulation splits the same 64 images into micro-batches: the same arithmetic, which XLA's
+  # cost analysis, counting the loop of micro-batches once, would give as a quarter.
+  topology = tpu_topologies.parse_topology('v5e-4')
+  flops = {}
+  for accum_steps in (1, 4):
+    config = helpers.tiny_config(accum_steps=accum_steps)
+    result, _ = tpu_plan.train_step_plan(config, tpu_plan.topology_mesh(config, topology),
+                                         topology, num_classes=10)
+    flops[accum_steps] = result['flops_per_step_per_chip']
+  assert flops[4] == pytest.approx(flops[1], rel=0.1)  # With the optimiser's update 4 times.
+  assert plan_command.ACCUMULATION_NOTE.format(4) in plan_command.flops_notes(result)
 
 
 def test_splash_attention_runs_in_the_forward_and_backward_pass_of_a_planned_step():

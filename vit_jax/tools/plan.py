@@ -44,6 +44,9 @@ if 'log_all' not in flags.FLAGS:
 # a custom call's work.
 SCANNED_FLOPS_NOTE = ('Scanned blocks: the FLOPs and the roofline count one block of the loop '
                       "(XLA's cost analysis); --config.scan_layers=False counts them all.")
+ACCUMULATION_NOTE = ('Accumulation: the FLOPs count the {} micro-batches (XLA\'s cost analysis '
+                     'counts the loop once); the bytes accessed, and so a bytes-bound roofline, '
+                     'count one.')
 KERNEL_FLOPS_NOTE = ("TPU kernels: the FLOPs and the roofline leave theirs out (XLA's cost "
                      'analysis cannot see them).')
 
@@ -94,11 +97,13 @@ def summary(result: dict) -> str:
 
 
 def flops_notes(result: dict) -> list[str]:
-  """The notes on FLOPs that the cost analysis of a fitting step leaves out: those of all but
-  one scanned block, and those of TPU kernels."""
+  """The notes on what the cost analysis of a fitting step counts: one scanned block, all the
+  micro-batches of an accumulated step (but their bytes once), and no work of TPU kernels."""
   if not result['fits']:
     return []
+  accum_steps = result['config']['accum_steps']
   return (([SCANNED_FLOPS_NOTE] if result['config']['scan_layers'] else [])
+          + ([ACCUMULATION_NOTE.format(accum_steps)] if accum_steps > 1 else [])
           + ([KERNEL_FLOPS_NOTE] if result['tpu_custom_calls'] else []))
 
 

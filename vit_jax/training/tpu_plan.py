@@ -61,6 +61,18 @@ def roofline(flops: float, bytes_accessed: float, generation: tpu_topologies.Gen
   return max(flops / generation.bf16_flops, bytes_accessed / generation.hbm_bytes_per_second)
 
 
+def step_cost(compiled, accum_steps: int) -> tuple[float, float]:
+  """(FLOPs, bytes accessed) of one training step per chip, from XLA's cost analysis.
+
+  The analysis counts a loop's body once, so a step that accumulates gradients over
+  `accum_steps` micro-batches (a scan: vit_jax.training.step) counts as one micro-batch. Its
+  FLOPs are taken `accum_steps` times, which counts the optimiser's update that many times too
+  (a few FLOPs a parameter, small beside the passes' 6 a parameter and token); its bytes are
+  taken once: a lower bound, as the roofline needs."""
+  cost = compiled.cost_analysis()
+  return cost.get('flops', 0.0) * accum_steps, cost.get('bytes accessed', 0.0)
+
+
 def topology_mesh(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology):
   """The mesh of `config` over the compile-only devices of `topology`, the config first
   validated for them (checks.ConfigError)."""
@@ -99,8 +111,7 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topol
             'fits': refusal is None and used.total_bytes <= hbm,
             'per_chip': per_chip(used, hbm, state_bytes(config, mesh, num_classes))}
   if result['fits']:
-    cost = compiled.cost_analysis()
-    flops, bytes_accessed = cost.get('flops', 0.0), cost.get('bytes accessed', 0.0)
+    flops, bytes_accessed = step_cost(compiled, config.accum_steps)
     seconds = roofline(flops, bytes_accessed, topology.generation)
     result.update(
         flops_per_step_per_chip=flops, bytes_accessed_per_step_per_chip=bytes_accessed,
