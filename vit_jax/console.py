@@ -116,19 +116,38 @@ NATIVE_INFO_LINE = re.compile(
     r'|I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] ')
 
 
+# While native_info_lines_dropped holds file descriptor 2 back: a copy of the descriptor it held
+# back, which still writes to the console.
+_stderr_held_back_from: int | None = None
+
+
+def write_now(text: str) -> None:
+  """Writes `text` to stderr at once, even inside native_info_lines_dropped: for a last line
+  written just before the process ends (os._exit), which would otherwise stay held back."""
+  sys.stderr.flush()
+  if _stderr_held_back_from is None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+  else:
+    os.write(_stderr_held_back_from, text.encode())
+
+
 @contextlib.contextmanager
 def native_info_lines_dropped() -> Iterator[None]:
   """Holds back what is written to file descriptor 2 inside the block (by C++ code, and by Python),
   then writes it to stderr without its NATIVE_INFO_LINE lines. For imports that load C++ runtimes,
   such as TensorFlow's; the held lines appear when the block ends, even if it raises."""
+  global _stderr_held_back_from
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as held:
     os.dup2(held.fileno(), 2)
+    _stderr_held_back_from = saved
     try:
       yield
     finally:
       sys.stderr.flush()
+      _stderr_held_back_from = None
       os.dup2(saved, 2)
       os.close(saved)
       held.seek(0)

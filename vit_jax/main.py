@@ -18,6 +18,7 @@ import jax
 import ml_collections
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax import hardware
 from vit_jax.config import checks
 from vit_jax.config import command_line
@@ -73,40 +74,52 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains `config` in `workdir`, which process 0 locks, with the heartbeats of several
   processes; returns the run's last metrics. Exits with one line for an error a user can act
   on; with several processes, the others stop with that line too."""
-  from vit_jax.data import shards
-  from vit_jax.training import state_checkpoints
-  from vit_jax.training import trainer  # It imports TensorFlow.
   on_gone = functools.partial(startup.exit_for_gone_process, workdir,
                               workdirs.resume_command(workdir))
   peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process).start()
            if jax.process_count() > 1 else None)
   lock, error = None, None
   try:
+    # Locked before the trainer (and TensorFlow, seconds) is imported: a workdir in use is
+    # refused at once.
     lock = workdirs.lock_workdir(workdir) if jax.process_index() == 0 else None
+    from vit_jax.training import trainer
     return trainer.train_and_evaluate(config, workdir)
-  except workdirs.WorkdirError as e:
-    error = str(e)
-  except checks.ConfigError as e:
-    error = f'Config error: {e}'
-  except shards.DataError as e:  # A training image that does not decode.
-    error = f'Data error: {e}'
-  except trainer.NonFiniteError as e:
-    error = f'Training stopped: {e}'
-  except state_checkpoints.CheckpointSaveError as e:
-    error = f'Checkpoint error: {e}'
   except KeyboardInterrupt:
     error = (f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
              f'{workdirs.resume_command(workdir)}')
-  except Exception:  # E.g. a collective's "Connection reset by peer": a process may be gone.
-    if peers:
-      peers.wait_for_gone()
-    raise
+  except Exception as e:
+    error = error_line(e)
+    if error is None:  # E.g. a collective's "Connection reset by peer": a process may be gone.
+      if peers:
+        peers.wait_for_gone()
+      raise
   finally:
     if peers and error is None:  # Done, or raising: the others need not wait for this one.
       peers.stop()
     if lock:
       workdirs.release_workdir(lock)
   startup.exit_with_error(error, peers)
+
+
+def error_line(error: Exception) -> str | None:
+  """The one line that reports `error`, an error a user can act on; None for any other."""
+  if isinstance(error, errors.WorkdirError):
+    return str(error)
+  if isinstance(error, errors.ConfigError):
+    return f'Config error: {error}'
+  if 'vit_jax.training.trainer' not in sys.modules:  # Raised before (or while) it was imported.
+    return None
+  from vit_jax.data import shards  # Imported by the trainer, which imports TensorFlow.
+  from vit_jax.training import state_checkpoints
+  from vit_jax.training import trainer
+  if isinstance(error, shards.DataError):  # A training image that does not decode.
+    return f'Data error: {error}'
+  if isinstance(error, trainer.NonFiniteError):
+    return f'Training stopped: {error}'
+  if isinstance(error, state_checkpoints.CheckpointSaveError):
+    return f'Checkpoint error: {error}'
+  return None
 
 
 def drop_closed_event_loop_errors(unraisable) -> None:

@@ -6,6 +6,7 @@ from typing import NoReturn
 
 import jax
 
+from vit_jax import console
 from vit_jax.distributed import gone_process
 from vit_jax.distributed import heartbeats
 
@@ -65,8 +66,8 @@ def end_with(line: str) -> NoReturn:
 
 
 def write_line(line: str) -> None:
-  """`line` on stderr, after every log line written before it."""
+  """`line` on stderr, after every log line written before it, even while an import holds stderr
+  back (console.native_info_lines_dropped): the process may end before the import does."""
   for handler in logging.getLogger().handlers:
     handler.flush()
-  sys.stderr.write(line + '\n')
-  sys.stderr.flush()
+  console.write_now(line + '\n')
