@@ -81,9 +81,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   lock, error = None, None
   try:
     # Locked before the trainer (and TensorFlow, seconds) is imported: a workdir in use is
-    # refused at once.
+    # refused at once. Its imports (Flax, Orbax, clu, tfds besides TensorFlow) run without the
+    # cyclic collector, whose collections would free nothing there.
     lock = workdirs.lock_workdir(workdir) if jax.process_index() == 0 else None
-    from vit_jax.training import trainer
+    with console.collector_paused():
+      from vit_jax.training import trainer
     return trainer.train_and_evaluate(config, workdir)
   except KeyboardInterrupt:
     error = (f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
