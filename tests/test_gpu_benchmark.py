@@ -1,13 +1,20 @@
-"""Tests of the GPU benchmark script, benchmarks/gpu.py, run on the CPU with its tiny case."""
+"""Tests of the GPU benchmark scripts, benchmarks/gpu.py and benchmarks/step_memory.py, run on
+the CPU with a tiny model."""
 import importlib.util
 import json
 import os
 
-SCRIPT = os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'gpu.py')
+import jax
+
+from vit_jax.models import blank
+from vit_jax.models import registry
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), '..', 'benchmarks')
 
 
-def load_script():
-  spec = importlib.util.spec_from_file_location('gpu_benchmark', SCRIPT)
+def load_script(name='gpu.py'):
+  spec = importlib.util.spec_from_file_location(name.removesuffix('.py'),
+                                                os.path.join(BENCHMARKS, name))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -33,3 +40,17 @@ def test_table_sets_vit_jax_against_compiled_timm():
              {**case, 'framework': 'timm compile', 'images_per_second': 2000.0}]
   assert load_script().format_table(results).splitlines()[-1] == (
       '| ViT-B_16 b256 train | 3,000.0 | 0.500 | 20.0 | 2,500.0 | 2,000.0 | 1.50 |')
+
+
+def test_step_memory_predicts_at_least_the_adamw_state_and_says_a_cpu_reports_no_peak(
+    tmp_path, capsys):
+  out = tmp_path / 'memory.jsonl'
+  load_script('step_memory.py').main(['--model', 'testing', '--batch', '2', '--image_size', '32',
+                                      '--steps', '1', '--out', str(out)])
+  result = json.loads(out.read_text())
+  model = registry.get_model('testing', num_classes=1000)
+  params = sum(leaf.size for leaf in jax.tree.leaves(blank.param_shapes(model, 32)))
+  # The step's arguments hold the float32 parameters and AdamW's two moments of each.
+  assert result['predicted']['argument_bytes'] >= 3 * 4 * params
+  assert result['peak_bytes_in_use'] is None
+  assert capsys.readouterr().out.startswith('testing b2 32 px on cpu: predicted ')
