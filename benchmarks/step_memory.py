@@ -2,11 +2,11 @@
 
 `vit_jax.main` decides before its first step whether the step fits a device, and `vit_jax.plan`
 does the same for a TPU slice, from XLA's `memory_analysis()` of the compiled step
-(`vit_jax.training.fit.step_memory`: arguments, outputs not written into donated arguments,
-temporaries and code, per device). This compiles the training step of a registry model at a
-batch as `main` builds it (bfloat16 compute, AdamW: the train case of benchmarks/gpu.py), takes
-that prediction, then runs the step on random images and reads the device's own count of the
-most bytes it held at once (`memory_stats()['peak_bytes_in_use']`, where the backend reports
+(`vit_jax.training.fit.memory_of`: arguments, outputs not written into donated arguments,
+temporaries and code, per device). This compiles and checks the training step of a registry
+model at a batch as `main` does (`fit.checked_train_step`; bfloat16 compute, AdamW: the train
+case of benchmarks/gpu.py), takes that prediction, then runs the same compiled step on random
+images and reads the device's own count of the most bytes it held at once (`memory_stats()['peak_bytes_in_use']`, where the backend reports
 it: GPUs and TPUs; the CPU does not).
 
     PYTHONPATH=. python benchmarks/step_memory.py                  # ViT-B_16, batch 256, 224 px
@@ -35,15 +35,16 @@ def measure(model_name: str, batch: int, image_size: int, steps: int) -> dict:
   config = inference_time.train_config(model_name, batch, 'bfloat16', 'adamw')
   config.pp.crop = image_size
   mesh = train_setup.make_mesh(config, jax.devices()[:1])
-  predicted = fit.step_memory(config, mesh, inference_time.NUM_CLASSES)
   model = train_setup.build_model(config, inference_time.NUM_CLASSES, list(mesh.devices.flat))
   optimizer = train_step.make_optimizer(config)
   state, shardings = train_step.create_train_state(config, model, optimizer, mesh, image_size)
+  # Compiled and checked as main does before its first step; the same program then runs.
+  step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
+  predicted = fit.memory_of(step)
   batch_arrays = jax.device_put(
       {'image': inference_time.random_images(batch, image_size),
        'label': jax.numpy.arange(batch) % inference_time.NUM_CLASSES},
       NamedSharding(mesh, P('data')))
-  step = train_step.jit_train_step(model, optimizer, config, mesh, shardings)
   for _ in range(steps):
     state, metrics = step(state, batch_arrays)
   jax.block_until_ready(metrics)
