@@ -6,8 +6,9 @@ does the same for a TPU slice, from XLA's `memory_analysis()` of the compiled st
 temporaries and code, per device). This compiles and checks the training step of a registry
 model at a batch as `main` does (`fit.checked_train_step`; bfloat16 compute, AdamW: the train
 case of benchmarks/gpu.py), takes that prediction, then runs the same compiled step on random
-images and reads the device's own count of the most bytes it held at once (`memory_stats()['peak_bytes_in_use']`, where the backend reports
-it: GPUs and TPUs; the CPU does not).
+images and reads the device's own count of the most bytes it held at once
+(`memory_stats()['peak_bytes_in_use']`, where the backend reports it: GPUs and TPUs; the CPU
+does not).
 
     PYTHONPATH=. python benchmarks/step_memory.py                  # ViT-B_16, batch 256, 224 px
     PYTHONPATH=. python benchmarks/step_memory.py --model ViT-L_16 --batch 128 --out memory.jsonl
