@@ -16,6 +16,7 @@ does not).
 Needs jax, flax, optax and ml_collections only, as benchmarks/gpu.py does.
 """
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -32,7 +33,7 @@ from vit_jax.training import step as train_step
 
 def measure(model_name: str, batch: int, image_size: int, steps: int) -> dict:
   """The predicted bytes of the step on this machine's first device (fit.StepMemory's fields and
-  total) and, where the device reports them, its peak and limit after `steps` steps."""
+  total) and, where the device reports them, its peak and limit in bytes after `steps` steps."""
   config = inference_time.train_config(model_name, batch, 'bfloat16', 'adamw')
   config.pp.crop = image_size
   mesh = train_setup.make_mesh(config, jax.devices()[:1])
@@ -54,9 +55,7 @@ def measure(model_name: str, batch: int, image_size: int, steps: int) -> dict:
   return {'model': model_name, 'batch': batch, 'image_size': image_size, 'dtype': 'bfloat16',
           'optimizer': 'adamw', 'attention': model.attention, 'device': device.device_kind,
           'jax_version': jax.__version__, 'steps': steps,
-          'predicted': {**{field: getattr(predicted, field) for field in (
-              'argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes', 'code_bytes')},
-                        'total_bytes': predicted.total_bytes},
+          'predicted': {**dataclasses.asdict(predicted), 'total_bytes': predicted.total_bytes},
           'peak_bytes_in_use': stats.get('peak_bytes_in_use'),
           'bytes_limit': stats.get('bytes_limit')}
 
