@@ -13,6 +13,7 @@ writes with another error (EFBIG) and leaves the file system's free space as it 
 not show what a full disk does to Orbax, TensorStore, numpy or safetensors. Where mounting is not
 permitted, these tests skip and say so.
 """
+import io
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -35,6 +37,7 @@ from test_main import free_port
 from test_main import run_main
 from vit_jax.checkpoints import npz
 from vit_jax.data import sources
+from vit_jax.distributed import gone_process
 from vit_jax.distributed import heartbeats
 from vit_jax.tools import export
 from vit_jax.training import summaries
@@ -402,12 +405,30 @@ def test_an_image_that_does_not_decode_in_a_two_process_run_stops_both_in_one_li
     assert 'Traceback' not in run.log and 'coordination service' not in run.log, run.log
 
 
+def test_the_filter_drops_gloo_connection_lines_and_passes_the_rest_as_it_came():
+  """Gloo's lines come in pieces, each in a write of its own, and among lines of others."""
+  read, write = os.pipe()
+  sink = io.BytesIO()
+  copy = threading.Thread(target=gone_process.copy_until_coordinator_lost,
+                          args=(read, sink, bytes))
+  copy.start()
+  for piece in (b'[Gl', b'oo] Rank 5 is conn', b'ected to 7 peer ranks. Expected number of ',
+                b'connected peer ranks is : 7\nstep 5/5: loss 2.2420\n',
+                b'[Gloo] in a line of ours\n', b'3/5\r', b'4/5'):
+    os.write(write, piece)
+    time.sleep(0.05)  # Each read gets one piece.
+  os.close(write)
+  copy.join()
+  os.close(read)
+  assert sink.getvalue() == b'step 5/5: loss 2.2420\n[Gloo] in a line of ours\n3/5\r4/5'
+
+
 # A process that writes to its stderr through the filter, as process 1 of 2 does, and stops at
 # SIGTERM with a line of its own and a C++ log line (which the filter holds for a while).
 FILTERED = """
 import os, signal, sys, time
 from vit_jax.distributed import gone_process
-gone_process.filter_stderr(sys.argv[1], 2, 1, 'python -m vit_jax.main --process_id=1')
+gone_process.filter_output(2, sys.argv[1], 2, 1, 'python -m vit_jax.main --process_id=1')
 def stop(signum, frame):
   print('stopping', file=sys.stderr, flush=True)
   os.write(2, b'W1202 10:00:00.000000    42 native.cc:1] a C++ warning\\n')

@@ -319,6 +319,9 @@ def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
     run.process.kill()
   statuses = [run.finish() for run in runs]
   assert statuses == [0, 0], '\n\n'.join(run.log for run in runs)
+  # Gloo's line for each device of each program that connects: off the console, but for
+  # --log_all's.
+  assert '[Gloo]' not in runs[0].log and '[Gloo] Rank ' in runs[1].log, runs[0].log
 
   reference, reference_fewshot = one_process
   scalars = analysis.read_scalars(str(tmp_path))

@@ -55,7 +55,8 @@ def start_processes(config: ml_collections.ConfigDict, log_all: bool) -> None:
   """Starts JAX's multi-process runtime where this is one of several processes, else gives a
   CPU host one device per core. Several processes need --workdir, one folder for all; those
   other than 0 send their stderr through gone_process's filter and, unless `log_all`, log
-  warnings only: process 0 speaks for all."""
+  warnings only: process 0 speaks for all. On CPUs, unless `log_all`, every process sends its
+  stdout through the filter too, which keeps Gloo's connection lines off the console."""
   if not startup.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                             flags.FLAGS.process_id):
     hardware.use_one_device_per_core(functools.partial(checks.fits_devices, config))
@@ -63,9 +64,14 @@ def start_processes(config: ml_collections.ConfigDict, log_all: bool) -> None:
     return
   if not flags.FLAGS.workdir:
     sys.exit('--workdir is required with several processes: they must share one folder.')
+  filter_output = functools.partial(
+      gone_process.filter_output, workdir=flags.FLAGS.workdir,
+      process_count=jax.process_count(), process_index=jax.process_index(),
+      command=workdirs.resume_command(flags.FLAGS.workdir))
+  if jax.default_backend() == 'cpu' and not log_all:
+    filter_output(1)
   if jax.process_index() > 0:
-    gone_process.filter_stderr(flags.FLAGS.workdir, jax.process_count(), jax.process_index(),
-                               workdirs.resume_command(flags.FLAGS.workdir))
+    filter_output(2)
     if not log_all:
       logging.getLogger().setLevel(logging.WARNING)
 

@@ -11,13 +11,14 @@ No Python code of the process runs in between, and the hook jaxlib offers for it
 0.10.2: its argument, a C++ absl::Status, has no Python form, and the call ends the process
 with std::bad_cast.
 
-So the line has to come from outside the process that aborts. `filter_stderr` sends the file
+So the line has to come from outside the process that aborts. `filter_output` sends the file
 descriptor 2 of a process other than 0 through a small process running this module, which
 passes everything on as it comes until jaxlib's fatal line, and prints `gone_line` for process
 0 in place of that line and all that follows it. C++ log lines wait up to HOLD_S seconds before
 they are passed on, so that the runtime's warnings that come with the fatal line (a failed
-preemption poll, a polled error) go with it. This module uses only the standard library: the
-filter starts in a fraction of a second.
+preemption poll, a polled error) go with it. The same filter keeps Gloo's connection lines
+(GLOO_CONNECTED) off the console: on CPUs, every process sends its file descriptor 1 through it
+too. This module uses only the standard library: the filter starts in a fraction of a second.
 """
 import os
 import re
@@ -36,6 +37,10 @@ NATIVE_LOG_LINE = re.compile(rb'[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ \S+:\d+\]
 COORDINATOR_GONE = re.compile(
     rb'Terminating process because the JAX distributed service detected fatal errors\..*'
     rb'absl::Status: (UNAVAILABLE: Failed to send RPC to coordination service|DEADLINE_EXCEEDED)')
+# What Gloo, the collectives of processes on CPUs, prints to stdout as each of its communicators
+# connects, a line for each device of each program: "[Gloo] Rank 5 is connected to 7 peer ranks.
+# Expected number of connected peer ranks is : 7". Nothing a user acts on; it has no switch.
+GLOO_CONNECTED = re.compile(rb'\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.')
 
 
 def last_checkpoint(workdir: str) -> str:
@@ -55,31 +60,35 @@ def gone_line(gone: str, workdir: str, process_count: int, process_index: int,
           f'this one: {command}')
 
 
-def filter_stderr(workdir: str, process_count: int, process_index: int, command: str) -> None:
-  """Sends this process's file descriptor 2 (what C++ and Python write to stderr) through
-  `python -m vit_jax.distributed.gone_process` (this module), which writes it to the former
-  stderr and ends when the pipe closes, that is when this process has ended. SIGINT and SIGTERM
-  are blocked in it from its start: a terminal's Ctrl-C and a scheduler's SIGTERM reach every
-  process of the group, and the filter has to outlive this process to pass its last lines on."""
-  sys.stderr.flush()
+def filter_output(fd: int, workdir: str, process_count: int, process_index: int,
+                  command: str) -> None:
+  """Sends what this process writes to its file descriptor `fd` (1, stdout, or 2, stderr; C++'s
+  and Python's alike) through `python -m vit_jax.distributed.gone_process` (this module), which
+  writes it to where `fd` went before and ends when the pipe closes, that is when this process
+  has ended. SIGINT and SIGTERM are blocked in it from its start: a terminal's Ctrl-C and a
+  scheduler's SIGTERM reach every process of the group, and the filter has to outlive this
+  process to pass its last lines on."""
+  (sys.stdout if fd == 1 else sys.stderr).flush()
   read, write = os.pipe()
   os.posix_spawn(
       sys.executable, [sys.executable, '-m', 'vit_jax.distributed.gone_process', workdir,
                        str(process_count), str(process_index), command], os.environ,
-      file_actions=[(os.POSIX_SPAWN_DUP2, 2, 1), (os.POSIX_SPAWN_DUP2, read, 0)],
+      file_actions=[(os.POSIX_SPAWN_DUP2, fd, 1), (os.POSIX_SPAWN_DUP2, read, 0)],
       setsigmask={signal.SIGINT, signal.SIGTERM})
-  os.dup2(write, 2)
+  os.dup2(write, fd)
   os.close(read)
   os.close(write)
 
 
 def copy_until_coordinator_lost(source: int, sink: BinaryIO,
                                 gone: Callable[[], bytes]) -> None:
-  """Copies what arrives on file descriptor `source` to `sink` as it comes, until `source`
-  closes; a C++ log line and what follows it wait up to HOLD_S seconds. On jaxlib's fatal line
-  for an unreachable coordination service, writes `gone()` in place of that line, of the held
-  lines and of everything after, and returns when `source` closes."""
+  """Copies what arrives on file descriptor `source` to `sink` as it comes, less Gloo's
+  connection lines, until `source` closes; a C++ log line and what follows it wait up to HOLD_S
+  seconds. On jaxlib's fatal line for an unreachable coordination service, writes `gone()` in
+  place of that line, of the held lines and of everything after, and returns when `source`
+  closes."""
   held, release_at = [], None  # Pieces of lines held back, and when to pass them on.
+  unfinished = b''  # The start of a line that may be Gloo's, which writes its lines in pieces.
   while True:
     wait = None if release_at is None else max(release_at - time.monotonic(), 0.0)
     if not select.select([source], [], [], wait)[0]:  # Held HOLD_S, and no fatal line came.
@@ -88,9 +97,13 @@ def copy_until_coordinator_lost(source: int, sink: BinaryIO,
       continue
     chunk = os.read(source, 1 << 16)
     if not chunk:  # The process has ended.
-      write_all(sink, held)
+      write_all(sink, [*held, unfinished])
       return
-    for piece in chunk.splitlines(keepends=True):
+    pieces = (unfinished + chunk).splitlines(keepends=True)
+    unfinished = pieces.pop() if may_start_a_gloo_line(pieces[-1]) else b''
+    for piece in pieces:
+      if GLOO_CONNECTED.match(piece):
+        continue
       if COORDINATOR_GONE.search(piece):
         write_all(sink, [gone()])
         while os.read(source, 1 << 16):  # The dump that follows, until the process ends.
@@ -105,6 +118,13 @@ def copy_until_coordinator_lost(source: int, sink: BinaryIO,
     sink.flush()
 
 
+def may_start_a_gloo_line(piece: bytes) -> bool:
+  """Whether `piece`, the last of what has arrived, may be the start of a Gloo line whose end
+  is still to come."""
+  return not piece.endswith((b'\n', b'\r')) and (piece.startswith(b'[Gloo]')
+                                                  or b'[Gloo]'.startswith(piece))
+
+
 def write_all(sink: BinaryIO, pieces: list[bytes]) -> None:
   sink.write(b''.join(pieces))
   sink.flush()
@@ -112,8 +132,8 @@ def write_all(sink: BinaryIO, pieces: list[bytes]) -> None:
 
 def main(argv: list[str]) -> None:
   """The filter: `python -m vit_jax.distributed.gone_process WORKDIR PROCESS_COUNT
-  PROCESS_INDEX COMMAND` copies its stdin to its stdout (the stderr the process had before
-  `filter_stderr`)."""
+  PROCESS_INDEX COMMAND` copies its stdin to its stdout (the stdout or stderr the process had
+  before `filter_output`)."""
   workdir, count, index, command = argv[1:]
 
   def process_0_gone() -> bytes:
