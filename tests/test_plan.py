@@ -58,13 +58,14 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
           '"tensorflow" in sys.modules)); sys.argv[0] = "plan"; '
           'runpy.run_module("vit_jax.plan", run_name="__main__")')
   run = subprocess.run([sys.executable, '-c', code, f'--config={TINY_CONFIG}',
-                        '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                        '--topology=v5e-4', '--multi_label', f'--out={out}'], env=user_env(),
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   assert 'tensorflow imported: False' in run.stdout
   assert 'TPU_ACCELERATOR_TYPE' not in run.stderr and 'Traceback' not in run.stderr
   result = json.loads(out.read_text())
   assert result['fits'] and result['topology']['chips'] == 4 and result['mesh']['data'] == 4
+  assert result['config']['multi_label'] and result['eval']['fits']
   # The config's attention='auto' is XLA's on TPUs: no kernel of its own in the step.
   assert result['config']['attention'] == 'xla' and result['tpu_custom_calls'] == {}
   chip = result['per_chip']
@@ -129,6 +130,17 @@ def test_a_train_step_compiles_for_a_v5e_4_under_each_sharding(strategy, model_a
   assert {d.platform for d in mesh.devices.flat} == {'tpu'}
   assert dict(mesh.shape) == {'data': 4 // model_axis, 'model': model_axis}
   assert 0 < fit.memory_of(compiled).total_bytes < tpu_topologies.GENERATIONS['v5e'].hbm_bytes
+
+
+def test_a_multi_label_plan_compiles_the_step_for_multi_hot_labels():
+  config, topology = helpers.tiny_config(), tpu_topologies.parse_topology('v5e-4')
+  mesh = tpu_plan.topology_mesh(config, topology)
+  single, multi = (tpu_plan.train_step_plan(config, mesh, topology, 1000, multi_label)[0]
+                   for multi_label in (False, True))
+  # The arguments grow by float32 (16, 1000) labels on each chip, less the int32 (16,) ones.
+  label_bytes = config.batch // 4 * 1000 * 4
+  grown = multi['per_chip']['argument_bytes'] - single['per_chip']['argument_bytes']
+  assert multi['config']['multi_label'] and 0.9 * label_bytes <= grown <= 1.1 * label_bytes
 
 
 def test_the_flops_of_an_accumulated_step_count_every_micro_batch():

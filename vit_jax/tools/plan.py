@@ -33,6 +33,9 @@ flags.DEFINE_integer('slices', 1, 'Slices of that type joined by the data-centre
                      '(multi-slice); data parallelism spans them.')
 flags.DEFINE_integer('num_classes', None, "Classes of the model's head; default: those of "
                      'config.dataset, for the datasets the configs name.')
+flags.DEFINE_bool('multi_label', False, 'Plan for multi-label data, as main trains an image '
+                  'folder with a labels.csv or a tfds dataset whose label is a sequence: labels '
+                  'as multi-hot rows of num_classes.')
 flags.DEFINE_string('out', None, 'Also write the plan as JSON to this file.')
 # One --log_all per process: main and plan each define it, and a process may import both.
 if 'log_all' not in flags.FLAGS:
@@ -130,7 +133,7 @@ def main(argv):
     sys.exit(f'Plan error: {e}')
   tpu_topologies.use_tpu_compiler_only(topology)
   try:
-    result = tpu_plan.plan(flags.FLAGS.config, topology, num_classes)
+    result = tpu_plan.plan(flags.FLAGS.config, topology, num_classes, flags.FLAGS.multi_label)
   except tpu_plan.PlannedError as e:
     if flags.FLAGS.out:
       write_json(e.result, flags.FLAGS.out)

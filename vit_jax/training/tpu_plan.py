@@ -82,14 +82,15 @@ def topology_mesh(config: ml_collections.ConfigDict, topology: tpu_topologies.To
 
 
 def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topologies.Topology,
-                    num_classes: int) -> tuple[dict, fit.StepMemory]:
-  """The training step of `config` lowered and compiled for `mesh` (over `topology`'s devices):
-  (the plan's dict without the evaluation step, the step's StepMemory). The dict's `fits` says
+                    num_classes: int, multi_label: bool = False) -> tuple[dict, fit.StepMemory]:
+  """The training step of `config` lowered and compiled for `mesh` (over `topology`'s devices),
+  for multi-hot labels where `multi_label`: (the plan's dict without the evaluation step, the
+  step's StepMemory). The dict's `fits` says
   whether the compiler took the step and its per-chip total is within a chip's HBM; where it
   does, the dict has the FLOPs, the roofline and the TPU kernels."""
   start = time.perf_counter()
   compiled, refusal = fit.compile_or_refusal(
-      lambda: fit.lower_train_step(config, mesh, num_classes))
+      lambda: fit.lower_train_step(config, mesh, num_classes, multi_label))
   compile_seconds = time.perf_counter() - start
   used = fit.StepMemory(refusal=refusal) if compiled is None else fit.memory_of(compiled)
   hbm = topology.generation.hbm_bytes
@@ -105,7 +106,8 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topol
                 'remat_policy': config.remat_policy, 'scan_layers': config.scan_layers,
                 'attention': attention.resolve_attention(config.attention,
                                                           list(mesh.devices.flat)),
-                'optimizer': config.optimizer, 'num_classes': num_classes},
+                'optimizer': config.optimizer, 'num_classes': num_classes,
+                'multi_label': multi_label},
             'versions': {'jax': jax.__version__, 'libtpu': libtpu_version()},
             'compile_seconds': compile_seconds,
             'fits': refusal is None and used.total_bytes <= hbm,
@@ -122,16 +124,17 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topol
 
 
 def plan(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology,
-         num_classes: int) -> dict:
-  """Compiles the training and evaluation steps of `config` for `topology`; the plan as a dict
-  (the JSON of --out). Raises checks.ConfigError, or PlannedError (a fit.FitError naming
+         num_classes: int, multi_label: bool = False) -> dict:
+  """Compiles the training and evaluation steps of `config` for `topology`, their labels
+  multi-hot rows where `multi_label` (as main trains multi-label data); the plan as a dict (the
+  JSON of --out). Raises checks.ConfigError, or PlannedError (a fit.FitError naming
   what would fit, as main's check does) where the step does not fit a chip's HBM."""
   mesh = topology_mesh(config, topology)
   hbm = topology.generation.hbm_bytes
   where = f'a {topology.generation.name} chip\'s HBM'
-  memory = lambda c: fit.step_memory(c, mesh, num_classes)
-  config = fit.fitted_config(config, mesh, num_classes, hbm, where)
-  result, used = train_step_plan(config, mesh, topology, num_classes)
+  memory = lambda c: fit.step_memory(c, mesh, num_classes, multi_label)
+  config = fit.fitted_config(config, mesh, num_classes, hbm, where, multi_label)
+  result, used = train_step_plan(config, mesh, topology, num_classes, multi_label)
   if not result['fits']:
     try:
       fit.check(config, checks.data_parallel_size(config, mesh.size), memory, hbm, where,
@@ -139,7 +142,7 @@ def plan(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology,
     except fit.FitError as e:
       result['error'] = str(e)
       raise PlannedError(str(e), result) from None
-  result['eval'] = eval_memory(config, mesh, num_classes, hbm)
+  result['eval'] = eval_memory(config, mesh, num_classes, hbm, multi_label)
   return result
 
 
@@ -178,15 +181,16 @@ def per_chip(used: fit.StepMemory, hbm: int, state: int | None = None) -> dict:
           'total_bytes': used.total_bytes, 'hbm_bytes': hbm, 'compiler_refusal': used.refusal}
 
 
-def eval_memory(config, mesh, num_classes, hbm: int) -> dict:
-  """The evaluation step of `config` compiled for `mesh`: its per-chip total bytes, and whether
-  it fits `hbm`."""
+def eval_memory(config, mesh, num_classes, hbm: int, multi_label: bool = False) -> dict:
+  """The evaluation step of `config` compiled for `mesh` (multi-hot labels where
+  `multi_label`): its per-chip total bytes, and whether it fits `hbm`."""
   model = train_setup.build_model(config, num_classes, list(mesh.devices.flat))
   state, _ = train_step.abstract_train_state(config, model, train_step.make_optimizer(config),
                                              mesh, config.pp.crop)
   step = jax.jit(tasks.for_config(config).eval_step(model, config))
   compiled, refusal = fit.compile_or_refusal(
-      lambda: step.lower(state.params, train_step.abstract_batch(config, mesh, evaluation=True)))
+      lambda: step.lower(state.params, train_step.abstract_batch(
+          config, mesh, evaluation=True, multi_hot=num_classes * multi_label)))
   used = fit.StepMemory(refusal=refusal) if compiled is None else fit.memory_of(compiled)
   return {'total_bytes': used.total_bytes, 'fits': refusal is None and used.total_bytes <= hbm,
           'compiler_refusal': refusal}
