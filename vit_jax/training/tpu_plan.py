@@ -85,9 +85,9 @@ def train_step_plan(config: ml_collections.ConfigDict, mesh, topology: tpu_topol
                     num_classes: int, multi_label: bool = False) -> tuple[dict, fit.StepMemory]:
   """The training step of `config` lowered and compiled for `mesh` (over `topology`'s devices),
   for multi-hot labels where `multi_label`: (the plan's dict without the evaluation step, the
-  step's StepMemory). The dict's `fits` says
-  whether the compiler took the step and its per-chip total is within a chip's HBM; where it
-  does, the dict has the FLOPs, the roofline and the TPU kernels."""
+  step's StepMemory). The dict's `fits` says whether the compiler took the step and its per-chip
+  total is within a chip's HBM; where it does, the dict has the FLOPs, the roofline and the TPU
+  kernels."""
   start = time.perf_counter()
   compiled, refusal = fit.compile_or_refusal(
       lambda: fit.lower_train_step(config, mesh, num_classes, multi_label))
