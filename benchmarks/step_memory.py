@@ -20,8 +20,6 @@ import dataclasses
 import json
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from vit_jax import hardware
 from vit_jax.console import readable_bytes
@@ -43,10 +41,7 @@ def measure(model_name: str, batch: int, image_size: int, steps: int) -> dict:
   # Compiled and checked as main does before its first step; the same program then runs.
   step = fit.checked_train_step(config, model, optimizer, mesh, shardings, state)
   predicted = fit.memory_of(step)
-  batch_arrays = jax.device_put(
-      {'image': inference_time.random_images(batch, image_size),
-       'label': jax.numpy.arange(batch) % inference_time.NUM_CLASSES},
-      NamedSharding(mesh, P('data')))
+  batch_arrays = inference_time.random_batch(batch, image_size, mesh)
   for _ in range(steps):
     state, metrics = step(state, batch_arrays)
   jax.block_until_ready(metrics)

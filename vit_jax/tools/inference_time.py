@@ -89,6 +89,14 @@ def inference_runner(model, batch: int, image_size: int, devices) -> tuple[Runne
   return run, seconds
 
 
+def random_batch(batch: int, image_size: int, mesh: Mesh) -> dict[str, jax.Array]:
+  """A training batch: `random_images` and labels 0, 1, ... (cycling over NUM_CLASSES), both
+  split along 'data' over `mesh`."""
+  return jax.device_put({'image': random_images(batch, image_size),
+                         'label': jnp.arange(batch) % NUM_CLASSES},
+                        NamedSharding(mesh, P('data')))
+
+
 def train_config(model_name: str, batch: int, dtype: str, optimizer: str):
   """The training defaults of vit_jax/config/defaults.py for `model_name` at `batch`."""
   config = defaults.with_model(defaults.training_defaults(), model_name)
@@ -107,9 +115,7 @@ def train_runner(config, model, image_size: int, devices) -> tuple[Runner, float
   mesh = Mesh(np.asarray(devices).reshape(-1, 1), ('data', 'model'))
   optimizer = train_step.make_optimizer(config)
   state, shardings = train_step.create_train_state(config, model, optimizer, mesh, image_size)
-  batch = jax.device_put({'image': random_images(config.batch, image_size),
-                          'label': jnp.arange(config.batch) % NUM_CLASSES},
-                         NamedSharding(mesh, P('data')))
+  batch = random_batch(config.batch, image_size, mesh)
   step, seconds = compile_timed(
       train_step.jit_train_step(model, optimizer, config, mesh, shardings), state, batch)
 
