@@ -163,7 +163,7 @@ def collector_paused() -> Iterator[None]:
   collections that free nothing. On the way out, every object made so far moves to the
   collector's permanent generation (gc.freeze): the modules, functions and classes of such an
   import last as long as the process, and the first collections after it would otherwise go
-  through all of them (most of a CPU-second after TensorFlow's) to free nothing."""
+  through all of them to free nothing (benchmarks/README.md#start-up)."""
   was_enabled = gc.isenabled()
   gc.disable()
   try:
