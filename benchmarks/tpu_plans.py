@@ -3,7 +3,7 @@ the rows of docs/tpu_plan.md's table of presets.
 
   python benchmarks/tpu_plans.py --out=plans.jsonl [--presets=b16-224,...]
       [--generations=v5e,v5p] [--shardings=data,fsdp,fsdp+tensor] [--on=v4-256,v5p-256]
-      [--machine=TEXT]
+      [--start=v5e-16] [--machine=TEXT]
   python benchmarks/tpu_plans.py --table=plans.jsonl
 
 For each preset (PRESETS), TPU generation and sharding (SHARDINGS) it compiles the preset's
@@ -14,7 +14,8 @@ in the list of slices until one fits, then halves the gap to the smallest that f
 no more memory per chip on more chips of the same generation). Every compile appends a JSON line
 to --out: the preset, its `python -m vit_jax.plan` command, the plan (or the config error), the
 date and the machine. `--table` prints the smallest fitting slice of each search as a markdown
-table row. `--on` compiles on the slices named instead of searching.
+table row. `--on` compiles on the slices named instead of searching; `--start` begins the search
+at a slice known to be near (the next smaller slice that does not fit shows it is the smallest).
 
 All rows train in bfloat16, with the presets' unscanned blocks (scanned ones compile faster, but
 need other memory, and `cost_analysis` counts their loop's FLOPs once: docs/tpu_plan.md);
@@ -107,14 +108,27 @@ def compile_on(preset: str, topology_name: str, sharding: str, out, machine: str
   return record
 
 
-def smallest_fitting(preset: str, generation: str, sharding: str, out,
-                     machine: str) -> dict | None:
-  """The record of the smallest slice of `generation` whose step fits (None if none does): the
-  smallest slice first, then galloping (indices 1, 3, 7, ...) to one that fits, then bisection
-  between the last that did not and the first that did."""
+def smallest_fitting(preset: str, generation: str, sharding: str, out, machine: str,
+                     start: str | None = None) -> dict | None:
+  """The record of the smallest slice of `generation` whose step fits (None if none does).
+
+  From the smallest slice (or `start`), galloping up (1, 3, 7, ... places on) to one that fits,
+  then bisection between the last that did not and the first that did. A `start` that fits at
+  once is followed by the slices below it, one by one, down to one that does not fit.
+  """
   names = slice_names(generation)
   fits = lambda i: compile_on(preset, names[i], sharding, out, machine)
-  below, step = -1, 1
+  first = names.index(start) if start else 0
+  record = fits(first)
+  if record['fits']:
+    found = record
+    for index in range(first - 1, -1, -1):
+      record = fits(index)
+      if not record['fits']:
+        break
+      found = record
+    return found
+  below, step = first, 1
   while True:
     index = min(below + step, len(names) - 1)
     record = fits(index)
@@ -173,6 +187,8 @@ def main():
   parser.add_argument('--shardings', default=','.join(SHARDINGS))
   parser.add_argument('--on', help='Compile on these slices (v4-256,v5p-256) instead of '
                       'searching for the smallest.')
+  parser.add_argument('--start', help='Begin the search at this slice (of each generation '
+                      'searched) instead of the smallest.')
   parser.add_argument('--machine', default=platform.machine(),
                       help='The machine that compiles, as the records name it.')
   parser.add_argument('--table', help='Print the markdown rows of this JSON lines file.')
@@ -189,7 +205,8 @@ def main():
             compile_on(preset, name, sharding, out, args.machine)
         else:
           for generation in args.generations.split(','):
-            smallest_fitting(preset, generation, sharding, out, args.machine)
+            start = args.start if args.start and args.start.startswith(generation + '-') else None
+            smallest_fitting(preset, generation, sharding, out, args.machine, start)
 
 
 if __name__ == '__main__':
