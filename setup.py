@@ -28,5 +28,6 @@ setuptools.setup(
         'pillow>=11',
         'matplotlib>=3.10',
         'tqdm>=4.60',
+        'filelock>=3.0',  # JAX bounds its compilation cache with it.
     ],
 )

@@ -10,6 +10,7 @@ from jax._src import hardware_utils
 import jax.numpy as jnp
 import pytest
 
+from vit_jax import cache
 from vit_jax import hardware
 
 # Runs a jitted step whose 64 MiB output (above glibc's largest mmap threshold, 32 MiB) is
@@ -131,6 +132,57 @@ def test_a_cpu_host_leaves_libtpu_unloaded_and_its_lock_file_free():
 ])
 def test_a_device_count_set_by_the_user_is_kept(env, devices):
   assert run_python(DEVICES_PER_CORE, '6', **env).split() == ['None', devices]
+
+
+# Compiles x * FACTOR for FACTOR argv[1] with vit_jax's compilation cache; prints the cache's
+# bound and the keys of the programs it keeps, with whether each has its last-use time.
+COMPILE_ONE_PROGRAM = textwrap.dedent('''
+    import os, sys
+    from vit_jax import hardware
+    import jax, jax.numpy as jnp
+    folder = hardware.use_compilation_cache()
+    jax.jit(lambda x: x * int(sys.argv[1]))(jnp.ones(4096)).block_until_ready()
+    print(jax.config.jax_compilation_cache_max_size)
+    print(' '.join(sorted(name for name in os.listdir(folder) if not name.startswith('.'))))
+''')
+
+
+def programs_kept(cache_folder, factor: int, **env: str) -> tuple[int, list[str], str]:
+  """(the bound, the names of the files in vit_jax's compilation cache, stderr) after a process
+  as a user starts one (no JAX cache settings of the harness) compiled x * `factor`."""
+  user_env = {name: value for name, value in os.environ.items() if not name.startswith('JAX_')}
+  result = subprocess.run([sys.executable, '-c', COMPILE_ONE_PROGRAM, str(factor)],
+                          env={**user_env, 'JAX_PLATFORMS': 'cpu',
+                               cache.CACHE_ENV: str(cache_folder), **env},
+                          check=True, capture_output=True, text=True)
+  bound, names = result.stdout.splitlines()
+  return int(bound), names.split(), result.stderr
+
+
+def test_vit_jaxs_compilation_cache_is_bounded_and_the_programs_used_longest_ago_go_first(
+    tmp_path):
+  bound, names, _ = programs_kept(tmp_path, 2)
+  assert bound == 4 * 2**30
+  times = [name for name in names if 'jit__lambda' in name]
+  assert len(times) == 2 and times[0].endswith('-atime') and times[1].endswith('-cache'), names
+  first = times[1].removesuffix('-cache')
+  size = os.path.getsize(tmp_path / 'xla' / times[1])
+  # A bound of the user's that holds one such program: the second one compiled replaces it.
+  bound, names, _ = programs_kept(tmp_path, 3, JAX_COMPILATION_CACHE_MAX_SIZE=str(size * 3 // 2))
+  assert bound == size * 3 // 2
+  assert not any(name.startswith(first) for name in names), names
+  assert len([name for name in names if name.endswith('-cache')]) == 1, names
+
+
+def test_a_cache_that_grew_unbounded_is_bounded_from_its_files_times(tmp_path):
+  # As an earlier vit_jax, which set no bound, left it: programs without their last-use time.
+  _, names, _ = programs_kept(tmp_path, 2, JAX_COMPILATION_CACHE_MAX_SIZE='-1')
+  assert names and all(name.endswith('-cache') for name in names), names
+  _, after, stderr = programs_kept(tmp_path, 3)
+  assert 'Error writing persistent compilation cache' not in stderr, stderr
+  kept = [name for name in after if name.endswith('-cache')]
+  assert set(names) < set(kept)  # The old ones, and the new program.
+  assert sorted(after) == sorted(kept + [name.replace('-cache', '-atime') for name in kept])
 
 
 def test_a_cache_folder_given_to_jax_is_kept():

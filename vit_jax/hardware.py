@@ -82,6 +82,10 @@ def skip_absent_tpu() -> bool:
   return True
 
 
+# Beyond it, JAX deletes the programs of vit_jax's compilation cache used longest ago.
+COMPILED_PROGRAMS_MAX_BYTES = 4 * 2**30
+
+
 def use_compilation_cache() -> str | None:
   """Turns JAX's persistent compilation cache on, in the folder `xla` of vit_jax's cache
   (`cache.cache_dir()`), and returns the folder it uses.
@@ -91,19 +95,42 @@ def use_compilation_cache() -> str | None:
   another command on the same model and batch starts sooner. Programs that compile in under a
   second (JAX's own threshold for keeping one) are kept too: a run compiles dozens of them (its
   initialisation, the few-shot solver's steps, the copies of restored parameters), and together
-  they took longer than its largest step. The user's own JAX settings win: a folder given by
-  JAX_COMPILATION_CACHE_DIR stays, a threshold given by
-  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS stays, and JAX_ENABLE_COMPILATION_CACHE=false keeps
-  the cache off (then None). Call it before the first compilation (the command-line tools call
-  it first thing).
+  they took longer than its largest step. The folder is kept within COMPILED_PROGRAMS_MAX_BYTES:
+  past it, JAX deletes the programs used longest ago. The user's own JAX settings win: a folder
+  given by JAX_COMPILATION_CACHE_DIR stays (bounded or not as the user chose), as do a bound
+  given by JAX_COMPILATION_CACHE_MAX_SIZE and a threshold given by
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, and JAX_ENABLE_COMPILATION_CACHE=false keeps the
+  cache off (then None). Call it before the first compilation (the command-line tools call it
+  first thing).
   """
   if not jax.config.jax_enable_compilation_cache:
     return None
   if not jax.config.jax_compilation_cache_dir:
-    jax.config.update('jax_compilation_cache_dir', os.path.join(cache.cache_dir(), 'xla'))
+    folder = os.path.join(cache.cache_dir(), 'xla')
+    jax.config.update('jax_compilation_cache_dir', folder)
+    if 'JAX_COMPILATION_CACHE_MAX_SIZE' not in os.environ:
+      jax.config.update('jax_compilation_cache_max_size', COMPILED_PROGRAMS_MAX_BYTES)
+    if jax.config.jax_compilation_cache_max_size != -1:
+      stamp_programs_kept_unbounded(folder)
   if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in os.environ:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   return jax.config.jax_compilation_cache_dir
+
+
+def stamp_programs_kept_unbounded(folder: str) -> None:
+  """Gives each program that `folder` kept while it had no bound (`KEY-cache` without the
+  `KEY-atime` beside it) the last-use time that JAX's eviction reads: its file's modification
+  time, in nanoseconds, 8 bytes little-endian. Without it, JAX fails to keep any new program
+  there."""
+  if not os.path.isdir(folder):
+    return
+  for name in os.listdir(folder):
+    key = name.removesuffix('-cache')
+    stamp = os.path.join(folder, f'{key}-atime')
+    if key != name and not os.path.exists(stamp):
+      used = os.stat(os.path.join(folder, name)).st_mtime_ns
+      with open(stamp, 'wb') as f:
+        f.write(used.to_bytes(8, 'little'))
 
 
 def keep_freed_host_memory() -> bool:
