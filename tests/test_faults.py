@@ -1,7 +1,7 @@
 """Faults during a run, as an operator meets them: a file system that fills to the byte, a
 SIGTERM during the final evaluation (of one process or two), training images changed between a
 run and its resume, a process of a two-process run that dies (process 1, or process 0 with JAX's
-coordination service).
+coordination service) or raises an error that no line reports (a bug).
 
 Each fault meets the command a user types, run in a subprocess with the device count it picks
 for itself (helpers.xla_flags(None)). A run that only sets the scene (a trained workdir) or checks
@@ -32,6 +32,7 @@ import pytest
 
 from helpers import tiny_config
 from helpers import xla_flags
+from test_main import main_command
 from test_main import MainProcess
 from test_main import free_port
 from test_main import run_main
@@ -403,6 +404,42 @@ def test_an_image_that_does_not_decode_in_a_two_process_run_stops_both_in_one_li
         + re.escape(error), line), runs[process].log
   for run in runs:
     assert 'Traceback' not in run.log and 'coordination service' not in run.log, run.log
+
+
+# `python -m vit_jax.main ARGS` with a bug put into its checkpoint of step 10.
+WITH_A_BUG_AT_STEP_10 = """
+import runpy, sys
+from vit_jax.training import trainer
+save = trainer.save_finite
+def save_finite(checkpoints, step, *args):
+  if step == 10:
+    raise ZeroDivisionError('a bug')
+  return save(checkpoints, step, *args)
+trainer.save_finite = save_finite
+runpy.run_module('vit_jax.main', run_name='__main__', alter_sys=True)
+"""
+
+
+def test_a_bug_in_one_process_of_two_is_its_traceback_and_one_line_for_both(tmp_path):
+  address = f'127.0.0.1:{free_port()}'
+  commands = [main_command(tmp_path, KILLED_RUN, f'--coordinator_address={address}',
+                           '--num_processes=2', f'--process_id={i}') for i in range(2)]
+  commands[1][1:3] = ['-c', WITH_A_BUG_AT_STEP_10]  # In place of '-m vit_jax.main'.
+  runs = [MainProcess(tmp_path, {}, command=command, env=ONE_DEVICE_PER_CORE)
+          for command in commands]
+  line = ("Unexpected error in process 1 of 2: ZeroDivisionError: a bug (its traceback is in "
+          "the output of process 1).")
+  runs[1].wait_for(lambda: line in runs[1].log, 'the line of the error')
+  said = time.monotonic()
+  assert [run.finish() for run in runs] == [1, 1], '\n\n'.join(run.log for run in runs)
+  # At process 0's next heartbeat, not after heartbeats go quiet (30 s) or a barrier's timeout.
+  assert time.monotonic() - said < 4 * heartbeats.HEARTBEAT_S + 5, runs[0].log
+  assert re.search(r'Traceback \(most recent call last\):\n(.*\n)+ZeroDivisionError: a bug\n'
+                   + re.escape(line), runs[1].log), runs[1].log
+  assert runs[1].log.strip().splitlines()[-1] == line, runs[1].log
+  assert runs[0].log.strip().splitlines()[-1] == (
+      f'Stopped process 0 of 2 too, because process 1 stopped: {line}'), runs[0].log
+  assert 'Traceback' not in runs[0].log and 'coordination service' not in runs[0].log
 
 
 def test_the_filter_drops_gloo_connection_lines_and_passes_the_rest_as_it_came():

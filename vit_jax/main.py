@@ -10,7 +10,9 @@ import functools
 import gc
 import logging
 import os
+import re
 import sys
+import traceback
 
 from absl import app
 from absl import flags
@@ -79,7 +81,8 @@ def start_processes(config: ml_collections.ConfigDict, log_all: bool) -> None:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains `config` in `workdir`, which process 0 locks, with the heartbeats of several
   processes; returns the run's last metrics. Exits with one line for an error a user can act
-  on; with several processes, the others stop with that line too."""
+  on; with several processes, the others stop with that line too, and any other error is its
+  traceback and then such a line (`unexpected_error_line`)."""
   on_gone = functools.partial(startup.exit_for_gone_process, workdir,
                               workdirs.resume_command(workdir))
   peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process).start()
@@ -98,12 +101,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
              f'{workdirs.resume_command(workdir)}')
   except Exception as e:
     error = error_line(e)
-    if error is None:  # E.g. a collective's "Connection reset by peer": a process may be gone.
-      if peers:
-        peers.wait_for_gone()
+    if error is None and not peers:
       raise
+    if error is None:
+      error = unexpected_error_line(e, peers)
   finally:
-    if peers and error is None:  # Done, or raising: the others need not wait for this one.
+    if peers and error is None:  # Done: the others need not wait for this one.
       peers.stop()
     if lock:
       workdirs.release_workdir(lock)
@@ -128,6 +131,28 @@ def error_line(error: Exception) -> str | None:
   if isinstance(error, state_checkpoints.CheckpointSaveError):
     return f'Checkpoint error: {error}'
   return None
+
+
+# How the runtime's errors that another process may cause begin: a collective's "UNKNOWN: Gloo
+# AllGather failed: ... Connection closed by peer", for one (absl status codes).
+FROM_ANOTHER_PROCESS = re.compile(
+    r'(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS): ')
+
+
+def unexpected_error_line(error: Exception, peers: heartbeats.PeerWatch) -> str:
+  """The line that tells the other processes of `error`, an error of this one that no line
+  reports (a bug, most likely), written after its traceback. A runtime error that another
+  process may have caused (FROM_ANOTHER_PROCESS) waits for the heartbeats to name that process
+  first, gone or failed (`wait_for_gone`; they then end this process)."""
+  if FROM_ANOTHER_PROCESS.match(str(error)):
+    peers.wait_for_gone()
+  traceback.print_exception(error)
+  sys.stderr.flush()
+  said = str(error).strip().splitlines()
+  process = jax.process_index()
+  return (f'Unexpected error in process {process} of {jax.process_count()}: '
+          f'{type(error).__name__}{": " + said[0] if said else ""} (its traceback is in the '
+          f'output of process {process}).')
 
 
 def drop_closed_event_loop_errors(unraisable) -> None:
