@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,12 +37,16 @@ def tpu_compiler():
            'TPU_WORKER_HOSTNAMES')
   before = {name: os.environ.pop(name, None) for name in names}
   tpu_topologies.use_tpu_compiler_only(tpu_topologies.parse_topology('v5e-4'))
+  # JAX decides once per process whether it uses the cache; where this process's earlier tests
+  # used it, it would go on looking TPU programs up there (and fail to read them back).
+  compilation_cache.reset_cache()
   yield
   for name, value in before.items():
     os.environ.pop(name, None)
     if value is not None:
       os.environ[name] = value
   jax.config.update('jax_enable_compilation_cache', cache)
+  compilation_cache.reset_cache()
 
 
 def user_env() -> dict:
