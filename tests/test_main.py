@@ -52,14 +52,13 @@ class MainProcess:
   """
 
   def __init__(self, workdir, overrides, *extra, env=None, command=None, limits=None):
-    def restrict():
-      for r, soft in limits.items():
-        resource.setrlimit(r, (soft, resource.RLIM_INFINITY))
-
     self.process = subprocess.Popen(
         command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-        preexec_fn=restrict if limits else None)
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    # Set from here, not in the child before it runs Python (preexec_fn forks this threaded
+    # process): the child writes nothing during its first seconds of imports.
+    for limit, soft in (limits or {}).items():
+      resource.prlimit(self.process.pid, limit, (soft, resource.RLIM_INFINITY))
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
