@@ -451,13 +451,18 @@ def test_the_filter_drops_gloo_connection_lines_and_passes_the_rest_as_it_came()
   copy.start()
   for piece in (b'[Gl', b'oo] Rank 5 is conn', b'ected to 7 peer ranks. Expected number of ',
                 b'connected peer ranks is : 7\nstep 5/5: loss 2.2420\n',
-                b'[Gloo] in a line of ours\n', b'3/5\r', b'4/5'):
+                b'[Gloo] in a line of ours\n',
+                # Two communicators connecting at once, their writes interleaved.
+                b'[Gloo] Rank 0 is connected to 7', b'[Gloo] Rank 1 is connected to 7 peer ranks. '
+                b'Expected number of connected peer ranks is : 7\n', b' peer ranks. Expected '
+                b'number of connected peer ranks is : 7\n', b'7\n', b'3/5\r', b'4/5'):
     os.write(write, piece)
     time.sleep(0.05)  # Each read gets one piece.
   os.close(write)
   copy.join()
   os.close(read)
-  assert sink.getvalue() == b'step 5/5: loss 2.2420\n[Gloo] in a line of ours\n3/5\r4/5'
+  assert sink.getvalue() == (
+      b'step 5/5: loss 2.2420\n[Gloo] in a line of ours\n7\n3/5\r4/5'), sink.getvalue()
 
 
 # A process that writes to its stderr through the filter, as process 1 of 2 does, and stops at

@@ -37,10 +37,15 @@ NATIVE_LOG_LINE = re.compile(rb'[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ \S+:\d+\]
 COORDINATOR_GONE = re.compile(
     rb'Terminating process because the JAX distributed service detected fatal errors\..*'
     rb'absl::Status: (UNAVAILABLE: Failed to send RPC to coordination service|DEADLINE_EXCEEDED)')
-# What Gloo, the collectives of processes on CPUs, prints to stdout as each of its communicators
-# connects, a line for each device of each program: "[Gloo] Rank 5 is connected to 7 peer ranks.
-# Expected number of connected peer ranks is : 7". Nothing a user acts on; it has no switch.
-GLOO_CONNECTED = re.compile(rb'\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.')
+# The words of what Gloo, the collectives of processes on CPUs, prints to stdout as each of its
+# communicators connects, a line for each device of each program: "[Gloo] Rank 5 is connected to
+# 7 peer ranks. Expected number of connected peer ranks is : 7". Nothing a user acts on; it has
+# no switch. Gloo writes a line in several writes, word by word, and two communicators connecting
+# at once interleave theirs: "[Gloo] Rank 0 is connected to 7[Gloo] Rank 1 is connected to 7 peer
+# ranks. Expected ... is : 7", then " peer ranks. Expected ... is : 7". So a line is Gloo's when
+# it has these words and nothing else but numbers.
+GLOO_WORDS = re.compile(
+    rb'\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :')
 
 
 def last_checkpoint(workdir: str) -> str:
@@ -83,10 +88,10 @@ def filter_output(fd: int, workdir: str, process_count: int, process_index: int,
 def copy_until_coordinator_lost(source: int, sink: BinaryIO,
                                 gone: Callable[[], bytes]) -> None:
   """Copies what arrives on file descriptor `source` to `sink` as it comes, less Gloo's
-  connection lines, until `source` closes; a C++ log line and what follows it wait up to HOLD_S
-  seconds. On jaxlib's fatal line for an unreachable coordination service, writes `gone()` in
-  place of that line, of the held lines and of everything after, and returns when `source`
-  closes."""
+  connection lines (GLOO_WORDS), until `source` closes; a C++ log line and what follows it wait
+  up to HOLD_S seconds. On jaxlib's fatal line for an unreachable coordination service, writes
+  `gone()` in place of that line, of the held lines and of everything after, and returns when
+  `source` closes."""
   held, release_at = [], None  # Pieces of lines held back, and when to pass them on.
   unfinished = b''  # The start of a line that may be Gloo's, which writes its lines in pieces.
   while True:
@@ -102,7 +107,7 @@ def copy_until_coordinator_lost(source: int, sink: BinaryIO,
     pieces = (unfinished + chunk).splitlines(keepends=True)
     unfinished = pieces.pop() if may_start_a_gloo_line(pieces[-1]) else b''
     for piece in pieces:
-      if GLOO_CONNECTED.match(piece):
+      if GLOO_WORDS.search(piece) and only_numbers_beside_gloo_words(piece):
         continue
       if COORDINATOR_GONE.search(piece):
         write_all(sink, [gone()])
@@ -120,9 +125,15 @@ def copy_until_coordinator_lost(source: int, sink: BinaryIO,
 
 def may_start_a_gloo_line(piece: bytes) -> bool:
   """Whether `piece`, the last of what has arrived, may be the start of a Gloo line whose end
-  is still to come."""
-  return not piece.endswith((b'\n', b'\r')) and (piece.startswith(b'[Gloo]')
-                                                  or b'[Gloo]'.startswith(piece))
+  is still to come: unfinished, and of Gloo's words and numbers or a start of them."""
+  return not piece.endswith((b'\n', b'\r')) and (
+      only_numbers_beside_gloo_words(piece) or piece.startswith(b'[Gloo]')
+      or b'[Gloo]'.startswith(piece))
+
+
+def only_numbers_beside_gloo_words(piece: bytes) -> bool:
+  """Whether `piece` holds nothing but GLOO_WORDS, digits and white space."""
+  return re.fullmatch(rb'[\d\s]*', GLOO_WORDS.sub(b'', piece)) is not None
 
 
 def write_all(sink: BinaryIO, pieces: list[bytes]) -> None:
