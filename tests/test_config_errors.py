@@ -28,6 +28,7 @@ from vit_jax.checkpoints import runs
 from vit_jax.config import checks
 from vit_jax.config import fields
 from vit_jax.config import defaults
+from vit_jax.distributed import heartbeats
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
 from vit_jax.tools import export
@@ -134,6 +135,15 @@ def test_a_config_file_that_does_not_exist_is_one_line(tmp_path):
       f'Config error: --config={tmp_path}/nope.py:b16: no such file {tmp_path}/nope.py. Give a '
       'config file, e.g. --config=configs/vit.py:b16,cifar10 (the configs/ folder of the '
       'repository), or leave out --config for the default run.']
+
+
+def test_a_peer_timeout_that_jax_or_the_heartbeats_would_overrule_is_one_line():
+  status, output = run('vit_jax.main', f'--config={TINY_CONFIG}', '--peer_timeout=120')
+  assert status == 1
+  assert output.strip().splitlines() == [
+      '--peer_timeout=120: give more than 4 seconds (two heartbeats) and less than 100 (JAX\'s '
+      'own timeout, after which it aborts every process with a stack dump); the default is 30.']
+  assert heartbeats.gone_after_error(4) is not None and heartbeats.gone_after_error(5) is None
 
 
 # Workdirs.

@@ -284,11 +284,12 @@ def test_a_resume_whose_images_changed_is_refused_in_one_line_and_resumes_once_r
   assert '20' in os.listdir(tmp_path / 'run' / 'checkpoints')
 
 
-def two_processes(workdir, overrides):
-  """The two processes of a run of the tiny config with `overrides` in `workdir`."""
+def two_processes(workdir, overrides, *flags):
+  """The two processes of a run of the tiny config with `overrides` and main's `flags` in
+  `workdir`."""
   address = f'127.0.0.1:{free_port()}'
   return [MainProcess(workdir, overrides, f'--coordinator_address={address}',
-                      '--num_processes=2', f'--process_id={i}', env=ONE_DEVICE_PER_CORE)
+                      '--num_processes=2', f'--process_id={i}', *flags, env=ONE_DEVICE_PER_CORE)
           for i in range(2)]
 
 
@@ -312,11 +313,13 @@ KILLED_RUN = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
               'progress_every': 10}
 
 
-def stopped_too(process, workdir):
-  """The end of the line of a gone process, on `process`, as a regular expression."""
+def stopped_too(process, workdir, flags=''):
+  """The end of the line of a gone process, on `process` started with main's `flags` last, as
+  a regular expression."""
   return (rf' Stopped process {process} too; the last complete checkpoint is step [0-9]+\. To '
           r'resume from it, start all 2 processes again with their commands, this one: python '
-          rf'-m vit_jax\.main .*--process_id={process} --workdir=' + re.escape(str(workdir)))
+          rf'-m vit_jax\.main .*--process_id={process} {re.escape(flags)}--workdir='
+          + re.escape(str(workdir)))
 
 
 def named_checkpoint_is_complete(line, workdir):
@@ -326,18 +329,20 @@ def named_checkpoint_is_complete(line, workdir):
 
 def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
     tmp_path):
-  runs = two_processes(tmp_path, KILLED_RUN)
+  runs = two_processes(tmp_path, KILLED_RUN, '--peer_timeout=8')
   runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
   runs[1].process.kill()  # As a host that dies: no goodbye.
   killed = time.monotonic()
   assert runs[0].finish() == 1, runs[0].log
   runs[1].finish()
-  # Sooner than JAX's own heartbeat timeout (100 s), after which it aborts from C++.
-  assert time.monotonic() - killed < heartbeats.GONE_AFTER_S + 20, runs[0].log
+  # After --peer_timeout, and well before JAX's own heartbeat timeout (100 s), after which it
+  # aborts from C++.
+  assert time.monotonic() - killed < 8 + 20, runs[0].log
   last = runs[0].log.strip().splitlines()[-1]
   assert re.fullmatch(
-      r'Process error: process 1 of 2 sent no heartbeat for [0-9]+ s: it was killed, or its '
-      r'host died or hangs\.' + stopped_too(0, tmp_path), last), runs[0].log
+      r'Process error: process 1 of 2 sent no heartbeat for ([89]|1[0-9]) s: it was killed, or '
+      r'its host died or hangs\.' + stopped_too(0, tmp_path, '--peer_timeout=8 '),
+      last), runs[0].log
   assert 'Traceback' not in runs[0].log and 'Fatal Python error' not in runs[0].log
   assert named_checkpoint_is_complete(last, tmp_path)
 

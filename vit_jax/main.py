@@ -36,6 +36,10 @@ flags.DEFINE_integer('num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 0)
                      'Number of processes (env JAX_NUM_PROCESSES).')
 flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
                      'This process\'s index (env JAX_PROCESS_ID).')
+flags.DEFINE_float('peer_timeout', heartbeats.GONE_AFTER_S,
+                   'Seconds a process of a multi-process run may send no heartbeat (one every '
+                   f'{heartbeats.HEARTBEAT_S:g} s) before the others name it gone, in one line '
+                   'with how to resume, and stop. Raise it where hosts may stall longer.')
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and model.npz go. A workdir '
                     'holding a checkpoint resumes from it. Default: workdirs/NAME, named after '
                     '--config and an overridden --config.dataset (see default_workdir), so that '
@@ -85,7 +89,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   traceback and then such a line (`unexpected_error_line`)."""
   on_gone = functools.partial(startup.exit_for_gone_process, workdir,
                               workdirs.resume_command(workdir))
-  peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process).start()
+  peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process,
+                                gone_after_s=flags.FLAGS.peer_timeout).start()
            if jax.process_count() > 1 else None)
   lock, error = None, None
   try:
@@ -176,6 +181,8 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   log_all = flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1
   console.setup(log_all)
+  if error := heartbeats.gone_after_error(flags.FLAGS.peer_timeout):
+    sys.exit(error)
   config = flags.FLAGS.config
   start_processes(config, log_all)
   workdir = flags.FLAGS.workdir or workdirs.default_workdir(

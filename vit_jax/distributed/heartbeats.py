@@ -18,9 +18,20 @@ import jax
 from jax._src import distributed  # The runtime's client: the key-value store of the processes.
 
 HEARTBEAT_S = 2.0
-GONE_AFTER_S = 30.0
+GONE_AFTER_S = 30.0  # The default; main's --peer_timeout.
+RUNTIME_TIMEOUT_S = 100  # JAX's heartbeat timeout (jax.distributed.initialize's default).
 STOPPED = 'stopped'
 FAILED = 'failed: '  # Then the error's line.
+
+
+def gone_after_error(seconds: float) -> str | None:
+  """Why `seconds` cannot be how long a quiet process is given before it is named gone, in
+  one line; None where it can: more than two heartbeats, less than JAX's own timeout."""
+  if 2 * HEARTBEAT_S < seconds < RUNTIME_TIMEOUT_S:
+    return None
+  return (f'--peer_timeout={seconds:g}: give more than {2 * HEARTBEAT_S:g} seconds (two '
+          f'heartbeats) and less than {RUNTIME_TIMEOUT_S} (JAX\'s own timeout, after which it '
+          f'aborts every process with a stack dump); the default is {GONE_AFTER_S:g}.')
 
 
 def _key(process: int) -> str:
