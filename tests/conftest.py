@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices, quick XLA compilation and one XLA compilation cache, set
+"""Test setup: 4 simulated CPU devices, quick XLA compilation and one XLA compilation cache, set
 before anything imports jax; shared fixtures. The helpers that test files import are in helpers.py.
 """
 import atexit
@@ -21,7 +21,7 @@ _DEVICES = '--xla_force_host_platform_device_count'
 os.environ['XLA_FLAGS'] = ' '.join(
     [flag for flag in os.environ.get('XLA_FLAGS', '').split()
      if flag not in QUICK_COMPILE and not flag.startswith(_DEVICES)]
-    + QUICK_COMPILE + [f'{_DEVICES}=8'])
+    + QUICK_COMPILE + [f'{_DEVICES}=4'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 # The tests compile the same tiny programs many times, in this process, in pytest-xdist's workers

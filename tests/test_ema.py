@@ -64,7 +64,7 @@ def test_decay_0_keeps_no_ema_and_an_ema_at_decay_0_is_the_params():
 
 
 def test_ema_is_laid_out_as_the_params():
-  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ('data', 'model'))
   config = tiny_config(ema_decay=0.9, sharding='fsdp+tensor')
   config.model.hidden_size = 64  # Big enough for FSDP to split the kernels.
   state, shardings, _ = state_and_step(config, mesh)

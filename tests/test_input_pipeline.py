@@ -285,7 +285,7 @@ def test_eval_padding_counts_every_example_once_with_equal_batch_counts():
 
 @pytest.fixture(scope='module')
 def mesh():
-  return jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ('data', 'model'))
+  return jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1), ('data', 'model'))
 
 
 def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
@@ -471,8 +471,8 @@ def test_bad_split_is_explained(tfds_config_factory):
 def test_batch_sizes_that_do_not_divide_are_explained(mesh):
   with pytest.raises(ValueError, match='config.batch=9 is not divisible by the number of proc'):
     next(ip.train_batches(make_config(batch=9), process_count=2))
-  with pytest.raises(ValueError, match="config.batch_eval=12 is not divisible by the 8 devices"):
-    ip.get_eval_iterator(make_config(batch_eval=12), mesh)
+  with pytest.raises(ValueError, match="config.batch_eval=10 is not divisible by the 4 devices"):
+    ip.get_eval_iterator(make_config(batch_eval=10), mesh)
   with pytest.raises(ValueError, match='config.pp.resize=20 is smaller than config.pp.crop=28'):
     next(ip.eval_batches(make_config(pp=dict(resize=20))))
 

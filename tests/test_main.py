@@ -106,14 +106,14 @@ def assert_same_params(workdir, reference_workdir):
 
 def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
   # Every value checks.validate_config refuses takes this way: test_config_errors.py.
-  status, log = run_main(tmp_path / 'run', {'batch': 100, 'batch_eval': 100})
+  status, log = run_main(tmp_path / 'run', {'batch': 102, 'batch_eval': 102})
   assert status == 1
   assert 'Traceback' not in log
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
   assert log.strip().splitlines()[-1] == (
-      'Config error: config.batch=100 is not divisible by 8 data-parallel devices x '
-      'config.accum_steps=1: make it a multiple of 8. config.batch_eval=100 is not divisible by '
-      '8 data-parallel devices: make it a multiple of 8.')
+      'Config error: config.batch=102 is not divisible by 4 data-parallel devices x '
+      'config.accum_steps=1: make it a multiple of 4. config.batch_eval=102 is not divisible by '
+      '4 data-parallel devices: make it a multiple of 4.')
 
 
 def run_command_line(*args):
@@ -284,7 +284,7 @@ def free_port() -> int:
 
 
 # A short run with a small evaluation and few-shot evaluation at its end, as one process of all
-# 8 devices (here) and as two processes of 4 (below).
+# 4 devices (here) and as two processes of 2 (below).
 SHORT_RUN = {'total_steps': 10, 'checkpoint_every': 10, 'eval_every': 10, 'progress_every': 5,
              'test_split': 'test[:400]', 'batch_eval': 200}
 FEWSHOT = dict(datasets=('fashion_mnist_embedded',), shots=(1, 5), seeds=1,
@@ -303,11 +303,11 @@ def one_process(tmp_path_factory):
 
 def test_two_processes_train_and_evaluate_few_shot_like_one_with_all_devices(
     tmp_path, one_process):
-  """2 processes x 4 CPU devices (JAX's distributed runtime, gloo) against 1 x 8 devices; each
+  """2 processes x 2 CPU devices (JAX's distributed runtime, gloo) against 1 x 4 devices; each
   process feeds its share of the batches and of the few-shot images, and each gets the same
   few-shot accuracies."""
   address = f'127.0.0.1:{free_port()}'
-  env = {'XLA_FLAGS': xla_flags(4)}
+  env = {'XLA_FLAGS': xla_flags(2)}
   overrides = {**SHORT_RUN, **{f'evals.fewshot.{k}': v for k, v in FEWSHOT.items()}}
   runs = [MainProcess(tmp_path, overrides, f'--coordinator_address={address}',
                       '--num_processes=2', f'--process_id={i}', *(['--log_all'] if i else []),

@@ -1,6 +1,6 @@
 """Tests of the tour notebook, notebooks/vit_jax.ipynb, executed top to bottom in a Jupyter kernel.
 
-The kernel inherits this process's environment (8 simulated CPU devices, from conftest.py) and
+The kernel inherits this process's environment (4 simulated CPU devices, from conftest.py) and
 VIT_JAX_NOTEBOOK_QUICK=1, which cuts training to a few steps; it runs in a temporary directory.
 """
 import base64

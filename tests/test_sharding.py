@@ -1,4 +1,4 @@
-"""Tests of the parameter layouts, vit_jax/sharding.py, on 8 simulated devices."""
+"""Tests of the parameter layouts, vit_jax/sharding.py, on 4 simulated devices."""
 import functools
 import math
 
@@ -106,15 +106,16 @@ def test_the_same_loss_curve_under_every_strategy():
     np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg=strategy)
 
 
-def test_fsdp_holds_about_an_eighth_of_the_params_per_device():
+def test_fsdp_holds_about_a_quarter_of_the_params_per_device():
+  assert jax.device_count() == 4
   _, replicated = loss_curve_and_state('data')
   _, sharded = loss_curve_and_state('fsdp')
   ratio = (sharding.bytes_per_device(sharded.params)
            / sharding.bytes_per_device(replicated.params))
-  assert 1 / 8 <= ratio < 0.15
+  assert 1 / 4 <= ratio < 0.3
   ratio = (sharding.bytes_per_device(sharded.opt_state)
            / sharding.bytes_per_device(replicated.opt_state))
-  assert 1 / 8 <= ratio < 0.15
+  assert 1 / 4 <= ratio < 0.3
 
 
 # Every registry model, and the variants that add or restack parameters.
@@ -134,9 +135,9 @@ def test_every_parameter_of_every_model_is_split_by_rules(name, overrides):
   declared = sharding.declared_params(model, size)
   shapes, axes = nn.meta.unbox(declared), sharding.param_axes(declared)
   devices = np.array(jax.devices())
-  fsdp = sharding.state_shardings(shapes, axes, Mesh(devices.reshape(8, 1), ('data', 'model')),
+  fsdp = sharding.state_shardings(shapes, axes, Mesh(devices.reshape(4, 1), ('data', 'model')),
                                   'fsdp')
-  tensor = sharding.state_shardings(shapes, axes, Mesh(devices.reshape(4, 2), ('data', 'model')),
+  tensor = sharding.state_shardings(shapes, axes, Mesh(devices.reshape(2, 2), ('data', 'model')),
                                     'tensor')
   flat = lambda tree: {'/'.join(sharding.path_names(path)): leaf
                        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
