@@ -13,8 +13,8 @@ import pytest
 
 # The tests' programs are tiny, so compiling them takes longer than running them. At LLVM
 # optimisation level 0, with XLA:CPU's elemental emitters instead of its fusion emitters, a tiny
-# scanned train step compiles in 1.3-1.6 s instead of 3.8-4.4 s and a tiny 60-step run takes
-# 11.8 s instead of 20.1 s, with the same losses to 5 digits (measured 2026-12-01, 2-core CPU).
+# train step compiles about three times as fast, with the same losses to 5 digits (the figures:
+# docs/testing.md).
 # Tests that start processes with other devices keep these flags (helpers.xla_flags).
 QUICK_COMPILE = ['--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false']
 _DEVICES = '--xla_force_host_platform_device_count'

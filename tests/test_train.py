@@ -178,8 +178,8 @@ def loss_curve(config, devices=None, steps=3):
 
 def test_one_and_four_devices_give_the_same_loss_curve():
   assert len(jax.devices()) == 4
-  # The same batches and math; the sums over 1 and 4 devices add in another order (over 1 and 8
-  # devices, on an AVX-512 CPU, 2026-12-01, step 5's losses differed by 1.1e-5 of their value).
+  # The same batches and math, but the sums over 1 and 4 devices add in another order, so the
+  # losses differ in their fifth or sixth digit.
   np.testing.assert_allclose(loss_curve(tiny_config(**SGD), jax.devices()[:1], steps=5),
                              loss_curve(tiny_config(**SGD), steps=5), rtol=1e-4)
 
