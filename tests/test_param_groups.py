@@ -178,23 +178,27 @@ def test_a_resume_keeps_frozen_but_may_change_the_multipliers(tmp_path):
       "frozen (saved 'None', now '^(?!head)')"]
 
 
-def test_a_linear_probe_from_the_command_line(tmp_path):
-  # Frozen but the head; trained 4 steps with a checkpoint at 2 and 4, then resumed to 6 with
-  # another layer decay (the optimiser state does not depend on the multipliers).
-  command = [sys.executable, '-m', 'vit_jax.main', f'--config={helpers.TINY_CONFIG}',
-             f'--workdir={tmp_path}', '--config.frozen=^(?!head)',
-             '--config.test_split=test[:200]', '--config.checkpoint_every=2',
-             '--config.eval_every=4', '--config.progress_every=2']
-  env = {**os.environ, 'XLA_FLAGS': helpers.xla_flags(1)}
-  for total, decay in ((4, 0.5), (6, 0.75)):
-    result = subprocess.run([*command, f'--config.total_steps={total}',
-                             f'--config.layer_decay={decay}'], capture_output=True, text=True,
-                            env=env, timeout=300, check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert ('Parameter groups: 13,920 parameters frozen, 330 trainable, learning-rate '
-            'multipliers from 1 to 1.') in output
-  assert 'Resuming from step 4' in output
+def test_a_linear_probe_from_the_command_line(tmp_path, caplog):
+  # Frozen but the head: trained 4 steps here with a checkpoint at 2 and 4, then resumed to 6
+  # from the command line with another layer decay (the optimiser state does not depend on the
+  # multipliers) and the frozen regex as a flag.
+  settings = dict(frozen='^(?!head)', test_split='test[:200]', checkpoint_every=2, eval_every=4,
+                  progress_every=2)
+  groups = ('Parameter groups: 13,920 parameters frozen, 330 trainable, learning-rate '
+            'multipliers from 1 to 1.')
+  with caplog.at_level('INFO'):
+    trainer.train_and_evaluate(helpers.tiny_config(**settings, total_steps=4, layer_decay=0.5),
+                               str(tmp_path))
+  assert groups in caplog.text
+  flags = [f'--config.{name}={value}' for name, value in settings.items()]
+  result = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', f'--config={helpers.TINY_CONFIG}',
+       f'--workdir={tmp_path}', *flags, '--config.total_steps=6', '--config.layer_decay=0.75'],
+      capture_output=True, text=True, env={**os.environ, 'XLA_FLAGS': helpers.xla_flags(1)},
+      timeout=300, check=False)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output
+  assert groups in output and 'Resuming from step 4' in output, output
 
 
 def test_a_linear_probe_of_the_trained_run_reaches_its_25_shot_accuracy(trained_run, tmp_path):
