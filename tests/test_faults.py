@@ -311,14 +311,18 @@ def test_sigterm_to_one_process_during_the_final_evaluation_stops_both_at_once(t
 # A run long enough to be killed in the middle, a checkpoint every 10 steps.
 KILLED_RUN = {'total_steps': 1000, 'checkpoint_every': 10, 'eval_every': 1000,
               'progress_every': 10}
+# Seconds a killed process's peer waits for its heartbeat before naming it gone.
+PEER_TIMEOUT_S = 8
+PEER_TIMEOUT = f'--peer_timeout={PEER_TIMEOUT_S}'
 
 
-def stopped_too(process, workdir, flags=''):
+def stopped_too(process, workdir, *flags):
   """The end of the line of a gone process, on `process` started with main's `flags` last, as
   a regular expression."""
   return (rf' Stopped process {process} too; the last complete checkpoint is step [0-9]+\. To '
           r'resume from it, start all 2 processes again with their commands, this one: python '
-          rf'-m vit_jax\.main .*--process_id={process} {re.escape(flags)}--workdir='
+          rf'-m vit_jax\.main .*--process_id={process} '
+          + ''.join(f'{re.escape(flag)} ' for flag in flags) + '--workdir='
           + re.escape(str(workdir)))
 
 
@@ -329,7 +333,7 @@ def named_checkpoint_is_complete(line, workdir):
 
 def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_resume(
     tmp_path):
-  runs = two_processes(tmp_path, KILLED_RUN, '--peer_timeout=8')
+  runs = two_processes(tmp_path, KILLED_RUN, PEER_TIMEOUT)
   runs[0].wait_for(lambda: 'step 20/1000' in runs[0].log, 'step 20')
   runs[1].process.kill()  # As a host that dies: no goodbye.
   killed = time.monotonic()
@@ -337,11 +341,11 @@ def test_a_process_killed_in_a_two_process_run_is_named_in_one_line_with_how_to_
   runs[1].finish()
   # After --peer_timeout, and well before JAX's own heartbeat timeout (100 s), after which it
   # aborts from C++.
-  assert time.monotonic() - killed < 8 + 20, runs[0].log
+  assert time.monotonic() - killed < PEER_TIMEOUT_S + 20, runs[0].log
   last = runs[0].log.strip().splitlines()[-1]
   assert re.fullmatch(
       r'Process error: process 1 of 2 sent no heartbeat for ([89]|1[0-9]) s: it was killed, or '
-      r'its host died or hangs\.' + stopped_too(0, tmp_path, '--peer_timeout=8 '),
+      r'its host died or hangs\.' + stopped_too(0, tmp_path, PEER_TIMEOUT),
       last), runs[0].log
   assert 'Traceback' not in runs[0].log and 'Fatal Python error' not in runs[0].log
   assert named_checkpoint_is_complete(last, tmp_path)
