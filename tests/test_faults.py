@@ -4,7 +4,8 @@ run and its resume, a process of a two-process run that dies (process 1, or proc
 coordination service) or raises an error that no line reports (a bug).
 
 Each fault meets the command a user types, run in a subprocess with the device count it picks
-for itself (helpers.xla_flags(None)). A run that only sets the scene (a trained workdir) or checks
+for itself (helpers.xla_flags(None)), forked from one that has imported the libraries
+(tests/preloaded.py). A run that only sets the scene (a trained workdir) or checks
 what a later run does with it (a rerun, a resume) is the library's, run in the test's process.
 
 A full disk is a real one: a small tmpfs mounted for the test (`mount -t tmpfs -o size=...`, which
@@ -32,6 +33,7 @@ import pytest
 
 from helpers import tiny_config
 from helpers import xla_flags
+import preloaded
 from test_main import main_command
 from test_main import MainProcess
 from test_main import free_port
@@ -174,10 +176,9 @@ def assert_one_line_and_no_partial_file(disk, out, stderr):
 def test_export_to_a_full_disk_is_one_line_and_leaves_no_partial_file(small_disk, trained_run):
   fill(small_disk, leave=16 * 1024)  # Less than the tiny model's 60 KiB of weights.
   out = small_disk / 'export'
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format', 'timm',
-       '--out', str(out)], capture_output=True, text=True, check=False,
-      env={**os.environ, **ONE_DEVICE_PER_CORE})
+  result = preloaded.run(
+      ['-m', 'vit_jax.export', '--checkpoint', trained_run[0], '--format', 'timm', '--out',
+       str(out)], env={**os.environ, **ONE_DEVICE_PER_CORE})
   assert result.returncode == 1, result.stderr
   assert_one_line_and_no_partial_file(small_disk, out, result.stderr)
 

@@ -1,6 +1,7 @@
 """Tests of the command line, vit_jax/main.py: bad configs, preemption, kills, several processes.
 
-Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time.
+Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time
+(forked from one that has imported the libraries: tests/preloaded.py).
 """
 import os
 import re
@@ -22,6 +23,7 @@ import pytest
 from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import xla_flags
+import preloaded
 from vit_jax.checkpoints import npz
 from vit_jax.config import command_line
 from vit_jax.config import fields
@@ -52,13 +54,8 @@ class MainProcess:
   """
 
   def __init__(self, workdir, overrides, *extra, env=None, command=None, limits=None):
-    self.process = subprocess.Popen(
-        command or main_command(workdir, overrides, *extra), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
-    # Set from here, not in the child before it runs Python (preexec_fn forks this threaded
-    # process): the child writes nothing during its first seconds of imports.
-    for limit, soft in (limits or {}).items():
-      resource.prlimit(self.process.pid, limit, (soft, resource.RLIM_INFINITY))
+    command = command or main_command(workdir, overrides, *extra)
+    self.process = preloaded.start(command[1:], env={**os.environ, **(env or {})}, limits=limits)
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -118,8 +115,7 @@ def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
 
 def run_command_line(*args):
   """(exit status, stdout, stderr) of `python -m vit_jax.main` on the tiny config with `args`."""
-  result = subprocess.run([sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}', *args],
-                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+  result = preloaded.run(['-m', 'vit_jax.main', f'--config={TINY_CONFIG}', *args], timeout=TIMEOUT)
   return result.returncode, result.stdout, result.stderr
 
 

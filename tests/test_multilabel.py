@@ -8,8 +8,6 @@ import io
 import math
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import tiny_vit
 from helpers import xla_flags
+import preloaded
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import runs
@@ -221,12 +220,11 @@ def test_the_augreg_imagenet21k_presets_train_with_the_sigmoid_loss():
 def test_a_run_on_a_multi_label_folder_reports_map_and_precision_at_1(tmp_path, capsys):
   folder = build_multilabel_folder.write_folder(str(tmp_path / 'scenes'),
                                                 {'train': 48, 'test': 12})
-  command = [sys.executable, '-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
+  command = ['-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
              f'--config.dataset={folder}', '--config.test_split=test',
              '--config.loss=sigmoid_xent', '--config.total_steps=10', '--config.warmup_steps=2',
              "--config.evals.fewshot.datasets=('config.dataset',)", f'--workdir={tmp_path / "run"}']
-  result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
+  result = preloaded.run(command, cwd=tmp_path, env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
   log = result.stdout + result.stderr
   assert result.returncode == 0, log
   assert re.search(r'test mAP [\d.]+, precision@1 [\d.]+, test loss [\d.]+', log), log

@@ -1,6 +1,7 @@
 """Tests of a first run on one's own image folder, as docs/training.md shows it:
 `python -m vit_jax.main --config.dataset=DIR` in a fresh folder, a process with the device count
-JAX picks for itself, twice, then `vit_jax.predict` on its model.
+JAX picks for itself (forked from one that has imported the libraries: tests/preloaded.py),
+twice, then `vit_jax.predict` on its model.
 
 What the run says about the data, a dataset of one class, the warning of a run that sees each
 image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
@@ -8,8 +9,6 @@ the class names that `predict` prints.
 """
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import tensorflow_datasets as tfds
@@ -18,6 +17,7 @@ from helpers import read_scalars
 from helpers import tiny_config
 from helpers import write_image_folder
 from helpers import xla_flags
+import preloaded
 from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.config import defaults
@@ -40,8 +40,8 @@ OWN_DATA_RUN = ['vit_jax.main', f'--config.dataset={FOLDER}', *SHORTER]
 
 def run(args, cwd) -> tuple[int, str]:
   """(exit status, output) of `python -m ARGS` in `cwd`, on the devices JAX picks itself."""
-  result = subprocess.run([sys.executable, '-m', *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT, env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
+  result = preloaded.run(['-m', *args], cwd=cwd, timeout=TIMEOUT,
+                         env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
   return result.returncode, result.stdout + result.stderr
 
 

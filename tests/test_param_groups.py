@@ -3,8 +3,6 @@ config.lr_mults, config.layer_decay and config.frozen, on the tiny models and th
 optimisers."""
 import os
 import runpy
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
+import preloaded
 from vit_jax.config import checks
 from vit_jax.models import blank
 from vit_jax.models import registry
@@ -191,11 +190,10 @@ def test_a_linear_probe_from_the_command_line(tmp_path, caplog):
                                str(tmp_path))
   assert groups in caplog.text
   flags = [f'--config.{name}={value}' for name, value in settings.items()]
-  result = subprocess.run(
-      [sys.executable, '-m', 'vit_jax.main', f'--config={helpers.TINY_CONFIG}',
-       f'--workdir={tmp_path}', *flags, '--config.total_steps=6', '--config.layer_decay=0.75'],
-      capture_output=True, text=True, env={**os.environ, 'XLA_FLAGS': helpers.xla_flags(1)},
-      timeout=300, check=False)
+  result = preloaded.run(
+      ['-m', 'vit_jax.main', f'--config={helpers.TINY_CONFIG}', f'--workdir={tmp_path}', *flags,
+       '--config.total_steps=6', '--config.layer_decay=0.75'],
+      env={**os.environ, 'XLA_FLAGS': helpers.xla_flags(1)})
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   assert groups in output and 'Resuming from step 4' in output, output
