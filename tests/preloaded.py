@@ -174,7 +174,8 @@ def serve(path: str) -> None:
   listener.listen(64)
   os.rename(path + '.tmp', path)  # Ready.
   clients = {}  # Child pid: the connection that started it.
-  while True:
+  parent = os.getppid()
+  while os.getppid() == parent:  # Not past the process that started it.
     if select.select([listener], [], [], 0.02)[0]:
       connection, _ = listener.accept()
       message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
