@@ -3,6 +3,7 @@
 Each test runs `python -m vit_jax.main` in subprocesses, as users do, with a bounded run time
 (forked from one that has imported the libraries: tests/preloaded.py).
 """
+import importlib.util
 import os
 import re
 import resource
@@ -111,6 +112,19 @@ def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
       'Config error: config.batch=102 is not divisible by 4 data-parallel devices x '
       'config.accum_steps=1: make it a multiple of 4. config.batch_eval=102 is not divisible by '
       '4 data-parallel devices: make it a multiple of 4.')
+
+
+def test_the_legacy_keras_switch_without_tf_keras_is_one_line_before_anything_runs(tmp_path):
+  assert importlib.util.find_spec('tf_keras') is None  # Not among the requirements.
+  result = preloaded.run(['-m', 'vit_jax.main', f'--config={TINY_CONFIG}',
+                          f'--workdir={tmp_path}/run'],
+                         env={**os.environ, 'TF_USE_LEGACY_KERAS': '1'}, timeout=TIMEOUT)
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      "Environment error: TF_USE_LEGACY_KERAS=1 asks TensorFlow for tf_keras, which is not "
+      "installed, and a run's TensorBoard summaries import Keras: unset it (vit_jax uses no "
+      'Keras).'), result.stderr
+  assert not os.path.exists(tmp_path / 'run')
 
 
 def run_command_line(*args):

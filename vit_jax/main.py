@@ -8,6 +8,7 @@ and meanings.
 import atexit
 import functools
 import gc
+import importlib.util
 import logging
 import os
 import re
@@ -169,6 +170,19 @@ def drop_closed_event_loop_errors(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def legacy_keras_error() -> str | None:
+  """The line for TF_USE_LEGACY_KERAS set (as TensorFlow reads it) without the tf_keras package
+  that it asks for: TensorBoard's hyperparameter summaries, which a run writes through clu, then
+  cannot import TensorFlow's Keras, after TensorFlow's own warning and a traceback. The other
+  commands use no Keras, and run all the same."""
+  value = os.environ.get('TF_USE_LEGACY_KERAS')
+  if value not in ('true', 'True', '1') or importlib.util.find_spec('tf_keras'):
+    return None
+  return (f'Environment error: TF_USE_LEGACY_KERAS={value} asks TensorFlow for tf_keras, which is '
+          "not installed, and a run's TensorBoard summaries import Keras: unset it (vit_jax uses "
+          'no Keras).')
+
+
 def evaluation_summary(metrics: dict[str, float]) -> str:
   """The evaluations among a run's last `metrics` (test, minival, few-shot), on one line."""
   shown = {name.removeprefix('fewshot/'): value for name, value in metrics.items()
@@ -182,6 +196,8 @@ def main(argv):
   log_all = flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1
   console.setup(log_all)
   if error := heartbeats.gone_after_error(flags.FLAGS.peer_timeout):
+    sys.exit(error)
+  if error := legacy_keras_error():
     sys.exit(error)
   config = flags.FLAGS.config
   start_processes(config, log_all)
