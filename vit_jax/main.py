@@ -171,10 +171,10 @@ def drop_closed_event_loop_errors(unraisable) -> None:
 
 
 def legacy_keras_error() -> str | None:
-  """The line for TF_USE_LEGACY_KERAS set (as TensorFlow reads it) without the tf_keras package
-  that it asks for: TensorBoard's hyperparameter summaries, which a run writes through clu, then
-  cannot import TensorFlow's Keras, after TensorFlow's own warning and a traceback. The other
-  commands use no Keras, and run all the same."""
+  """The one line for TF_USE_LEGACY_KERAS set (to `true`, `True` or `1`, as TensorFlow reads it)
+  without the tf_keras package that it asks for, or None. A run writes TensorBoard summaries
+  through clu, which imports TensorFlow's Keras: with the switch and no tf_keras, that import
+  fails with TensorFlow's warning and a traceback. The other commands use no Keras."""
   value = os.environ.get('TF_USE_LEGACY_KERAS')
   if value not in ('true', 'True', '1') or importlib.util.find_spec('tf_keras'):
     return None
