@@ -82,37 +82,29 @@ class Process:
     self.send_signal(signal.SIGKILL)
 
 
-def start(args, *, env=None, cwd=None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          limits=None):
+def start(args, *, env=None, cwd=None, stderr=subprocess.STDOUT, limits=None):
   """`python ARGS` (ARGS: ['-m', MODULE, ...] or ['-c', CODE, ...]) as a Process, or as a
-  subprocess.Popen where the server cannot start it. `stdout` is PIPE or a file, `stderr` STDOUT,
-  PIPE or a file (as for Popen; text). `limits`: {resource: soft limit}, set before the child
-  runs."""
+  subprocess.Popen where the server cannot start it; its stdout a pipe, its `stderr` STDOUT or
+  PIPE (as for Popen; text). `limits`: {resource: soft limit}, set before the child runs."""
   env = dict(os.environ if env is None else env)
   server_env = _server[2] if _server else _imported_environment(os.environ)
   if _imported_environment(env) != server_env:
-    process = subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=stdout,
+    process = subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                stderr=stderr, stdin=subprocess.DEVNULL, text=True)
     for limit, soft in (limits or {}).items():
       resource.prlimit(process.pid, limit, (soft, resource.RLIM_INFINITY))
     return process
-  child_fds, pipes, ours = [], {}, []  # The child's 1 and 2; our ends; its ends to close here.
-  for name, stream in (('stdout', stdout), ('stderr', stderr)):
-    if stream == subprocess.STDOUT:
-      child_fds.append(child_fds[0])
-    elif stream == subprocess.PIPE:
-      read, write = os.pipe()
-      pipes[name] = os.fdopen(read, 'r')
-      child_fds.append(write)
-      ours.append(write)
-    else:
-      child_fds.append(stream.fileno())
+  pipes, child_fds = {}, []  # Our ends by name; the child's 1 and 2.
+  for name in ('stdout', 'stderr') if stderr == subprocess.PIPE else ('stdout',):
+    read, write = os.pipe()
+    pipes[name] = os.fdopen(read, 'r')
+    child_fds.append(write)
   connection = socket.socket(socket.AF_UNIX)
   connection.connect(_server_socket())
   request = {'args': list(map(str, args)), 'env': env, 'cwd': str(cwd or os.getcwd()),
-             'limits': {limit: soft for limit, soft in (limits or {}).items()}}
+             'limits': dict(limits or {})}
   socket.send_fds(connection, [json.dumps(request).encode()], child_fds)
-  for fd in ours:
+  for fd in child_fds:
     os.close(fd)
   pid = int(connection.recv(64).decode())
   return Process(connection, pid, pipes.get('stdout'), pipes.get('stderr'))
@@ -120,7 +112,7 @@ def start(args, *, env=None, cwd=None, stdout=subprocess.PIPE, stderr=subprocess
 
 def run(args, *, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
   """`subprocess.run([python, *ARGS], capture_output=True, text=True)` by `start`."""
-  process = start(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  process = start(args, env=env, cwd=cwd, stderr=subprocess.PIPE)
   outputs = {}
   readers = [threading.Thread(target=lambda name=name: outputs.update(
       {name: getattr(process, name).read()})) for name in ('stdout', 'stderr')]
@@ -205,7 +197,7 @@ def _child(request, fds) -> None:
   for limit, soft in request['limits'].items():
     resource.setrlimit(int(limit), (soft, resource.RLIM_INFINITY))
   devnull = os.open(os.devnull, os.O_RDONLY)
-  for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
+  for fd, target in ((devnull, 0), (fds[0], 1), (fds[-1], 2)):  # One fd: stderr to stdout.
     os.dup2(fd, target)
   for fd in {devnull, *fds}:
     os.close(fd)
