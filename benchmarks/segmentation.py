@@ -12,6 +12,7 @@ XLA's temporaries of the compiled step in MiB.
 
   python benchmarks/segmentation.py                       # the default run's ViT, 56 px, batch 32
   python benchmarks/segmentation.py --model=ViT-S_16 --image_size=224 --batch=8
+  python benchmarks/segmentation.py --window=28   # segmentation in 28 px tiles (config.seg.window)
 """
 import argparse
 
@@ -24,15 +25,17 @@ OBJECTIVES = ('supervised', 'segmentation')
 DEFAULT_MODEL = 'default'  # --model: the default run's ViT-mini_7 (vit_jax.config.defaults).
 
 
-def step_config(model_name: str, objective: str, batch: int, image_size: int):
+def step_config(model_name: str, objective: str, batch: int, image_size: int,
+                window: int | None = None):
   """The default run's config (for DEFAULT_MODEL) or the training defaults of `model_name`,
-  with `objective`, global batch `batch` and `image_size` pixels."""
+  with `objective`, global batch `batch`, `image_size` pixels and config.seg.window `window`."""
   if model_name == DEFAULT_MODEL:
     config = defaults.get_config()
   else:
     config = defaults.with_model(defaults.training_defaults(), model_name)
   config.update(objective=objective, batch=batch, label_smoothing=0.0)
   config.pp.crop = image_size
+  config.seg.window = window
   return config
 
 
@@ -45,16 +48,21 @@ def main():
   parser.add_argument('--image_size', type=int, default=56)
   parser.add_argument('--num_classes', type=int, default=11)
   parser.add_argument('--rounds', type=int, default=8, help='Timed steps of each objective.')
+  parser.add_argument('--window', type=int, default=None,
+                      help='Segmentation: encode tiles of this many pixels apart '
+                           '(config.seg.window); default: the whole image.')
   args = parser.parse_args()
   hardware.use_one_device_per_core()
   hardware.keep_freed_host_memory()
 
   built = {objective: train_steps.build(
-      step_config(args.model, objective, args.batch, args.image_size), args.num_classes)
+      step_config(args.model, objective, args.batch, args.image_size, args.window),
+      args.num_classes)
            for objective in OBJECTIVES}
   medians = train_steps.median_step_seconds(built, args.rounds)
-  print(f'{args.model}, batch {args.batch}, {args.image_size} px, {args.num_classes} classes, '
-        f'float32, {train_steps.devices_line()}, median of {args.rounds} steps')
+  window = f', segmentation in {args.window} px tiles' if args.window else ''
+  print(f'{args.model}, batch {args.batch}, {args.image_size} px{window}, {args.num_classes} '
+        f'classes, float32, {train_steps.devices_line()}, median of {args.rounds} steps')
   print(f'{"objective":<14} {"step s":>8} {"x classification":>17} {"temp MiB":>9}')
   for objective in OBJECTIVES:
     print(f'{objective:<14} {medians[objective]:>8.4f} '

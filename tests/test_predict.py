@@ -72,6 +72,11 @@ def test_other_image_size_resizes_the_position_embeddings(files, capsys):
   assert out.startswith(f'{PHOTOS[0]} (48x48 px):\n')
   top = parse_output(out)[PHOTOS[0]]
   assert len(top) == 5 and all(label == f'class {i}' for _, label, i in top)  # No --labels.
+  assert predict.main(['--model', 'testing', '--checkpoint', f'{tmp}/model.npz',
+                       '--image_size', '30', PHOTOS[0]]) == 1
+  assert capsys.readouterr().err == (
+      'error: Image size 30x30 is not divisible by the patch size 16x16. Resize the images to a '
+      'multiple of it, e.g. 16x16.\n')
 
 
 def test_workdir_of_a_run_is_classified_by_its_saved_model(tmp_path, capsys):

@@ -22,6 +22,7 @@ from vit_jax.data import pipeline
 from vit_jax.data import segmentation as canvases
 from vit_jax.data import sources
 from vit_jax.errors import ConfigError
+from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import blank
 from vit_jax.models import registry
 from vit_jax.tasks import segmentation
@@ -170,12 +171,85 @@ def test_a_classifier_fine_tuned_from_a_segmentation_drops_its_head(tmp_path):
   np.testing.assert_array_equal(loaded['cls'], params['cls'])
 
 
+def one_pixel_patch_model(window):
+  """A segmentation ViT on 1 px patches, whose upsampling leaves each patch's logits as its
+  pixel's: what a pixel's logits depend on is what its patch token depends on."""
+  return segmentation.with_segmentation(
+      helpers.tiny_vit(num_classes=3, patch_size=(1, 1)), window=window)
+
+
+def test_each_window_is_encoded_apart():
+  """With window=4, the logits of an 8 x 8 image's pixels outside its top-left tile ignore that
+  tile's pixels; encoded whole, every pixel sees them."""
+  images = helpers.images_of(8)
+  changed = images.copy()
+  changed[:, :4, :4] *= -1
+  outside = np.ones((8, 8), bool)
+  outside[:4, :4] = False
+  for window, unchanged in ((4, True), (None, False)):
+    model = one_pixel_patch_model(window)
+    params = helpers.random_params(model, 8)
+    before, after = (model.apply({'params': params}, x, train=False) for x in (images, changed))
+    assert np.array_equal(before[:, outside], after[:, outside]) == unchanged, window
+    assert not np.array_equal(before[:, :4, :4], after[:, :4, :4])
+
+
+def test_the_features_of_a_tiled_image_are_the_mean_of_its_tiles_features():
+  model = one_pixel_patch_model(4)
+  params = helpers.random_params(model, 8)
+  images = helpers.images_of(8)
+  whole = model.apply({'params': params}, images, method='features')
+  tiles = [model.apply({'params': params}, images[:, r:r + 4, c:c + 4], method='features')
+           for r in (0, 4) for c in (0, 4)]
+  np.testing.assert_allclose(whole, np.mean(tiles, axis=0), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match='not a whole number of the 4 px tiles'):
+    model.apply({'params': params}, helpers.images_of(6), train=False)
+  with pytest.raises(ValueError, match='take them of each tile'):
+    model.apply({'params': params}, images, method='intermediates', blocks=(0,))
+
+
+def test_fine_tuning_at_twice_the_window_keeps_the_classifiers_position_embeddings(tmp_path):
+  """A classifier of 16 px images, fine-tuned on 32 px ones in 16 px windows: its position
+  embeddings load as they are (not resized to the 32 px grid), and apply to every tile."""
+  path, params = classifier_checkpoint(tmp_path, helpers.tiny_vit(num_classes=10), 16)
+  model = segmentation.with_segmentation(helpers.tiny_vit(num_classes=11), window=16)
+  fresh = blank.init_params(model, jax.random.key(0), 32)
+  loaded = finetune.load_pretrained(path, jax.device_get(fresh), model, grid=model.grid(32))
+  posemb = loaded['Transformer']['posembed_input']['pos_embedding']
+  assert posemb.tobytes() == params['Transformer']['posembed_input']['pos_embedding'].tobytes()
+  assert model.apply({'params': loaded}, helpers.images_of(32), train=False).shape == (
+      2, 32, 32, 11)
+
+
+def test_a_window_that_does_not_tile_the_crop_or_cut_into_patches_is_one_line():
+  config = helpers.tiny_config(objective='segmentation')
+  config.pp.crop, config.seg.window = 28, 14
+  assert segmentation.config_error(config) is None
+  config.seg.window = 10
+  assert segmentation.config_error(config).startswith(
+      'config.seg.window=10 does not tile config.pp.crop=28: ')
+  config.pp.crop = 20
+  assert segmentation.config_error(config) == (
+      "config.seg.window=10 is not a whole number of the model's 7x7 px patches: make it a "
+      'multiple of them.')
+
+
 def test_segmentation_of_a_dataset_labelled_per_image_is_one_line():
   config = defaults.get_config()
   config.objective = 'segmentation'
   info = pipeline.DatasetInfo(10, [str(i) for i in range(10)], 100, 10, per_pixel_labels=False)
   with pytest.raises(ConfigError, match='needs them per pixel: use a dataset'):
     dataset_checks.check_label_kind(config, info)
+
+
+def test_few_shot_evaluation_leaves_out_a_dataset_labelled_per_pixel(caplog):
+  """The default config's few-shot evaluation of the run's own dataset, on the canvases."""
+  config = defaults.get_config()
+  config.update(objective='segmentation', dataset='fashion_mnist_segmentation')
+  config.evals.fewshot.datasets = (defaults.OWN_DATASET,)
+  assert fewshot_evaluator.plan('fewshot', config.evals.fewshot, config) == {}
+  assert ('Few-shot evaluation skips fashion_mnist_segmentation: its images are labelled per '
+          'pixel') in caplog.text
 
 
 def test_config_refuses_randaugment_and_mixup():
@@ -207,6 +281,9 @@ def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp
   assert 'step 2: test pixel accuracy ' in result.stderr and ', mIoU ' in result.stderr
   loaded, params = runs.load_model(workdir)
   assert isinstance(loaded, segmentation.SegmentationViT) and 'seg_head' in params
+  # Encoded in 28 px windows: the classifier's 4 x 4 position embeddings, as they were.
+  assert loaded.window == 28
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 17, 128)
   logits = loaded.apply({'params': params}, np.zeros((1, 56, 56, 3), np.float32), train=False)
   assert logits.shape == (1, 56, 56, 11)
   # predict gives the classes that cover the most pixels, and writes the mask.
@@ -217,3 +294,6 @@ def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp
   assert f'{image} (56x56 px, pixels per class):' in printed and '(0)' in printed
   mask = np.asarray(Image.open(tmp_path / 'masks' / 'canvas.png'))
   assert mask.shape == (56, 56) and mask.max() < 11
+  assert predict.main(['--checkpoint', str(workdir), '--image_size', '63', str(image)]) == 1
+  assert 'error: Image size 63x63 is not a whole number of the 28 px tiles' in (
+      capsys.readouterr().err)

@@ -100,7 +100,10 @@ def training_defaults() -> ml_collections.ConfigDict:
       'target': 'mean_color_3bit',
   })
   # Segmentation (vit_jax/tasks/segmentation.py): the label value of pixels that count nowhere.
-  config.seg = ml_collections.ConfigDict({'ignore_label': 255})
+  config.seg = ml_collections.ConfigDict({
+      'ignore_label': 255,
+      'window': ml_collections.FieldReference(None, field_type=int),  # None, 0: the whole image.
+  })
 
   # Devices: a ('data', 'model') mesh, and the layout of params and optimiser state on it (see
   # vit_jax/sharding.py).

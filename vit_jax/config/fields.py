@@ -109,6 +109,9 @@ FIELD_HELP = {
                   "'downsampled_3bit' (4x4 of them) or 'patch_l2' (pixels).",
     'seg.ignore_label': 'Segmentation: the label of pixels that count in neither loss nor '
                         'metrics (255: as the PNG masks of Pascal VOC mark them).',
+    'seg.window': 'Segmentation: encode each window x window px tile of the image apart (e.g. '
+                  'the resolution the model was pre-trained at) and join their patch maps; '
+                  'None or 0: the whole image at once.',
     'mesh.data': "Devices on the mesh's data axis; -1: all that mesh.model leaves.",
     'mesh.model': "Devices on the mesh's model axis (tensor parallelism); divides the devices.",
     'sharding': "Layout of params and optimiser state: 'data', 'fsdp', 'tensor', "
@@ -192,6 +195,7 @@ FIELD_RANGES = {
     'ema_decay': FRACTION,
     'mpp.corruption_rate': Range(float, 0, 1, open='low'),
     'seg.ignore_label': Range(int, -1),
+    'seg.window': Range(int, 0, special=((None, 'the whole image'), (0, 'the whole image'))),
     'mesh.data': Range(int, 0, open='low',
                        special=((-1, 'all the devices that config.mesh.model leaves'),)),
     'mesh.model': POSITIVE_INT,

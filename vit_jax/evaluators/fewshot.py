@@ -50,8 +50,8 @@ def plan(name: str, entry: ml_collections.ConfigDict,
          config: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
   """{dataset: shots}: for each of `datasets`, the k of entry.shots for which every class of
   its train_split has k shots and solver.HOLDOUT further images; logs a warning for each
-  dataset that lacks images for some, and for each of fewer than 2 classes or of multi-label
-  data (left out: the regression takes one class per image).
+  dataset that lacks images for some, and for each of fewer than 2 classes, of multi-label data
+  or of labels per pixel (left out: the regression takes one class per image).
   Raises ConfigError, naming the dataset, where a dataset or split does not exist or a test
   image does not decode."""
   from vit_jax.data import pipeline
@@ -59,13 +59,15 @@ def plan(name: str, entry: ml_collections.ConfigDict,
   for dataset in datasets(entry, config):
     try:
       data = dataset_config(entry, config, dataset)
-      multi_label = pipeline.get_dataset_info(data).multi_label
-      sizes = None if multi_label else solver.class_sizes(data, data.train_split)
+      info = pipeline.get_dataset_info(data)
+      one_class_each = not (info.multi_label or info.per_pixel_labels)
+      sizes = solver.class_sizes(data, data.train_split) if one_class_each else None
     except (ValueError, FileNotFoundError) as e:
       raise ConfigError(f'config.evals.{name}.datasets, {dataset!r}: {e}') from None
-    if multi_label:
-      logging.warning('Few-shot evaluation skips %s: its images are multi-label, and k-shot '
-                      'takes k images of each class, each of one class.', dataset)
+    if not one_class_each:
+      logging.warning('Few-shot evaluation skips %s: its images are %s, and k-shot takes k '
+                      'images of each class, each of one class.', dataset,
+                      'labelled per pixel' if info.per_pixel_labels else 'multi-label')
       continue
     if len(sizes) < 2:
       logging.warning('Few-shot evaluation skips %s: it has %d class, and a classifier needs 2 '

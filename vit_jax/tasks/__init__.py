@@ -67,5 +67,5 @@ def saved_model(model, spec: dict):
   # bias init).
   config = ml_collections.ConfigDict({'objective': objective,
                                       'loss': spec.get('loss', supervised.DEFAULT_LOSS),
-                                      **({section: spec[section]} if section else {})})
+                                      **({section: spec.get(section, {})} if section else {})})
   return get(objective).model(model, config)

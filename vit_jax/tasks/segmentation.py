@@ -15,7 +15,7 @@ config.label_smoothing) averaged over the labelled pixels of the batch. Evaluati
 confusion matrix of the labelled pixels (`confusion`); from it `scores` gives the pixel accuracy
 and the mean IoU over the classes present in the labels or the predictions.
 """
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -36,14 +36,45 @@ class SegmentationViT(vit.VisionTransformer):
 
   Its parameters are the VisionTransformer's without `head` (`pre_logits` kept where the model
   has one, for `features`), and `seg_head` (D -> num_classes) on the patch tokens.
-  """
 
-  def segment(self, tokens: jax.Array, grid: tuple[int, int],
+  With `window` (pixels), the encoder sees the image one window x window tile at a time: each
+  tile is encoded as an image of its own, with its own class token and the position embeddings of
+  a tile (`grid`), and the tiles' patch maps are joined before `seg_head`. This is ViTDet's window
+  attention (Li et al., 2022), here in every block: a classifier pre-trained at window x window
+  pixels then meets objects at the scale, and in the context, it learned them. Images are a
+  whole number of tiles high and wide.
+  """
+  window: Optional[int] = None
+
+  def grid(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """The (rows, columns) of patches the encoder sees at once, which its position embeddings
+    cover: an image of `image_size`'s, or with `window` a tile's."""
+    return super().grid(self.window or image_size)
+
+  def tiles(self, images: jax.Array) -> tuple[jax.Array, tuple[int, int]]:
+    """(B, H, W, C) -> (the (B * R * S, window, window, C) tiles, row-major per image, (R, S)),
+    R = H / window, S = W / window; the images themselves and (1, 1) without `window`. A
+    ValueError naming the sizes for images that are not whole tiles."""
+    if not self.window:
+      return images, (1, 1)
+    b, h, w, c = images.shape
+    if h % self.window or w % self.window:
+      raise ValueError(f'Image size {h}x{w} is not a whole number of the {self.window} px tiles '
+                       f'the model encodes (window={self.window}): resize the images to a '
+                       f'multiple of it, e.g. {max(h // self.window, 1) * self.window}x'
+                       f'{max(w // self.window, 1) * self.window}.')
+    rows, columns = h // self.window, w // self.window
+    tiles = images.reshape(b, rows, self.window, columns, self.window, c)
+    return (tiles.transpose(0, 1, 3, 2, 4, 5).reshape(-1, self.window, self.window, c),
+            (rows, columns))
+
+  def segment(self, tokens: jax.Array, grid: tuple[int, int], layout: tuple[int, int],
               image_size: tuple[int, int]) -> jax.Array:
-    """(B, T, D) encoder outputs of patches on `grid` -> float32 logits (B, H, W, num_classes)
-    for images of `image_size` (H, W): `seg_head` per patch, upsampled bilinearly."""
+    """(B * R * S, T, D) encoder outputs of the (R, S) `layout` of tiles per image, each of
+    patches on `grid` -> float32 logits (B, H, W, num_classes) for images of `image_size`
+    (H, W): `seg_head` per patch of the joined maps, upsampled bilinearly."""
     patches = tokens[:, int(self.has_class_token):]
-    maps = vit.reshape_rows(patches, *grid, patches.shape[-1])
+    maps = join_tiles(vit.reshape_rows(patches, *grid, patches.shape[-1]), layout)
     head = nn.Dense(self.num_classes, dtype=self.dtype, name=PARAM_PREFIX + 'head',
                     kernel_init=with_axes(nn.initializers.zeros, 'embed', 'classes'),
                     bias_init=with_axes(nn.initializers.zeros, 'classes'))
@@ -52,14 +83,34 @@ class SegmentationViT(vit.VisionTransformer):
   @nn.compact
   def __call__(self, images, *, train, head=True):
     """Per-pixel logits (B, H, W, num_classes); with `head=False` the VisionTransformer's pooled
-    `features` instead (what few-shot evaluation and `features` read)."""
-    patches, grid = self.embed_patches(images)
+    `features` instead (what few-shot evaluation and `features` read), with `window` their mean
+    over the image's tiles."""
+    tiles, layout = self.tiles(images)
+    patches, grid = self.embed_patches(tiles)
     tokens = self.encode(self.add_class_token(patches), grid, train=train)
     if not head:
-      return self.pool_and_classify(tokens, head=False)
+      features = self.pool_and_classify(tokens, head=False)
+      return features.reshape(images.shape[0], -1, *features.shape[1:]).mean(axis=1)
     if self.is_initializing():
       self.pool_and_classify(tokens, head=False)  # Declares pre_logits, where the model has it.
-    return self.segment(tokens, grid, images.shape[1:3])
+    return self.segment(tokens, grid, layout, images.shape[1:3])
+
+  def intermediates(self, images, **kwargs) -> vit.Intermediates:
+    """VisionTransformer.intermediates; a ValueError with `window`, whose blocks see one tile
+    at a time (apply them to the tiles, `tiles`, as the model's VisionTransformer)."""
+    if self.window:
+      raise ValueError(f'intermediates of a model that encodes {self.window} px tiles '
+                       f'(window={self.window}): take them of each tile (SegmentationViT.tiles) '
+                       'with the model as a VisionTransformer, window left out.')
+    return super().intermediates(images, **kwargs)
+
+
+def join_tiles(maps: jax.Array, layout: tuple[int, int]) -> jax.Array:
+  """(B * R * S, h, w, D) maps of the tiles of `SegmentationViT.tiles`, row-major per image, in
+  an (R, S) `layout` -> the (B, R * h, S * w, D) maps of the images."""
+  (rows, columns), (h, w, d) = layout, maps.shape[1:]
+  maps = maps.reshape(-1, rows, columns, h, w, d).transpose(0, 1, 3, 2, 4, 5)
+  return maps.reshape(-1, rows * h, columns * w, d)
 
 
 def bilinear_weights(size: int, grid: int) -> np.ndarray:
@@ -84,11 +135,13 @@ def upsample(maps: jax.Array, image_size: tuple[int, int]) -> jax.Array:
   return jnp.einsum('Ww,bHwc->bHWc', columns, jnp.einsum('Hh,bhwc->bHwc', rows, maps))
 
 
-def with_segmentation(model: vit.VisionTransformer) -> SegmentationViT:
-  """`model` as a SegmentationViT of its num_classes."""
+def with_segmentation(model: vit.VisionTransformer,
+                      window: Optional[int] = None) -> SegmentationViT:
+  """`model` as a SegmentationViT of its num_classes, encoding `window` px tiles (None: the
+  whole image)."""
   fields = {f: getattr(model, f) for f in vit.VisionTransformer.__dataclass_fields__
             if f not in ('parent', 'name')}
-  return SegmentationViT(**fields)
+  return SegmentationViT(**fields, window=window)
 
 
 def pixel_losses(logits: jax.Array, labels: jax.Array, ignore_label: int,
@@ -168,10 +221,27 @@ def config_error(config: ml_collections.ConfigDict) -> str | None:
   if config.pp.get('randaug'):
     return (f'config.pp.randaug={tuple(config.pp.randaug)} rotates, shears and shifts the image '
             'but not its per-pixel labels: set --config.pp.randaug=None for segmentation.')
+  return window_error(config)
+
+
+def window_error(config: ml_collections.ConfigDict) -> str | None:
+  """Why config.seg.window cannot tile config.pp.crop into the model's patches, or None."""
+  window = config.seg.get('window')
+  if not window:
+    return None
+  crop = config.pp.crop
+  sides = (crop, crop) if isinstance(crop, int) else tuple(crop)
+  if any(side % window for side in sides):
+    return (f'config.seg.window={window} does not tile config.pp.crop={crop}: make the crop a '
+            f'multiple of the window, e.g. --config.pp.crop={max(sides[0] // window, 1) * window}.')
+  patch = tuple(config.model.get('patches', {}).get('size', (1, 1)))
+  if not config.model.get('resnet') and (window % patch[0] or window % patch[1]):
+    return (f'config.seg.window={window} is not a whole number of the model\'s {patch[0]}x'
+            f'{patch[1]} px patches: make it a multiple of them.')
   return None
 
 
-TASK = task.Task(model=lambda model, config: with_segmentation(model), train_loss=train_loss,
-                 eval_step=make_eval_step, evaluator='segmentation', needs_labels=True,
-                 extra_param_prefixes=(PARAM_PREFIX,), config_error=config_error,
-                 per_pixel_labels=True)
+TASK = task.Task(model=lambda model, config: with_segmentation(model, config.seg.get('window')),
+                 train_loss=train_loss, eval_step=make_eval_step, evaluator='segmentation',
+                 needs_labels=True, extra_param_prefixes=(PARAM_PREFIX,),
+                 config_error=config_error, per_pixel_labels=True, config_section='seg')

@@ -125,6 +125,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                          runs.saved_label_names(args.checkpoint))
     activation = jax.nn.sigmoid if runs.saved_loss(args.checkpoint) == 'sigmoid_xent' else (
         jax.nn.softmax)
+    predict = predictor(model, activation)
+    # Traced, not compiled: an image size the model cannot cut into patches (or tiles) is a
+    # ValueError here, before any image is read.
+    jax.eval_shape(predict, params,
+                   jax.ShapeDtypeStruct((1, *blank.image_hw(image_size), 3), jnp.float32))
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
@@ -136,7 +141,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr)
       failed = True
-  predict = predictor(model, activation)
   per_pixel = isinstance(model, segmentation.SegmentationViT)
   paths = list(images)
   for start in range(0, len(paths), BATCH_SIZE):
