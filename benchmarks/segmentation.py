@@ -13,6 +13,7 @@ XLA's temporaries of the compiled step in MiB.
   python benchmarks/segmentation.py                       # the default run's ViT, 56 px, batch 32
   python benchmarks/segmentation.py --model=ViT-S_16 --image_size=224 --batch=8
   python benchmarks/segmentation.py --window=28   # segmentation in 28 px tiles (config.seg.window)
+  python benchmarks/segmentation.py --classifier=gap   # a classifier that reads every token
 """
 import argparse
 
@@ -26,9 +27,10 @@ DEFAULT_MODEL = 'default'  # --model: the default run's ViT-mini_7 (vit_jax.conf
 
 
 def step_config(model_name: str, objective: str, batch: int, image_size: int,
-                window: int | None = None):
+                window: int | None = None, classifier: str | None = None):
   """The default run's config (for DEFAULT_MODEL) or the training defaults of `model_name`,
-  with `objective`, global batch `batch`, `image_size` pixels and config.seg.window `window`."""
+  with `objective`, global batch `batch`, `image_size` pixels, config.seg.window `window` and
+  the model's `classifier` (None: its own)."""
   if model_name == DEFAULT_MODEL:
     config = defaults.get_config()
   else:
@@ -36,6 +38,8 @@ def step_config(model_name: str, objective: str, batch: int, image_size: int,
   config.update(objective=objective, batch=batch, label_smoothing=0.0)
   config.pp.crop = image_size
   config.seg.window = window
+  if classifier:
+    config.model.classifier = classifier
   return config
 
 
@@ -51,17 +55,22 @@ def main():
   parser.add_argument('--window', type=int, default=None,
                       help='Segmentation: encode tiles of this many pixels apart '
                            '(config.seg.window); default: the whole image.')
+  parser.add_argument('--classifier', default=None,
+                      help="The model's classifier under both objectives, e.g. 'gap': the "
+                           "classification step then computes every token's last block, as "
+                           "segmentation does; default: the model's own ('token').")
   args = parser.parse_args()
   hardware.use_one_device_per_core()
   hardware.keep_freed_host_memory()
 
   built = {objective: train_steps.build(
-      step_config(args.model, objective, args.batch, args.image_size, args.window),
-      args.num_classes)
+      step_config(args.model, objective, args.batch, args.image_size, args.window,
+                  args.classifier), args.num_classes)
            for objective in OBJECTIVES}
   medians = train_steps.median_step_seconds(built, args.rounds)
-  window = f', segmentation in {args.window} px tiles' if args.window else ''
-  print(f'{args.model}, batch {args.batch}, {args.image_size} px{window}, {args.num_classes} '
+  variant = f', segmentation in {args.window} px tiles' if args.window else ''
+  variant += f', classifier {args.classifier}' if args.classifier else ''
+  print(f'{args.model}, batch {args.batch}, {args.image_size} px{variant}, {args.num_classes} '
         f'classes, float32, {train_steps.devices_line()}, median of {args.rounds} steps')
   print(f'{"objective":<14} {"step s":>8} {"x classification":>17} {"temp MiB":>9}')
   for objective in OBJECTIVES:

@@ -55,6 +55,13 @@ def last_checkpoint(workdir: str) -> str:
   return f'step {max(steps)}' if steps else 'none'
 
 
+def coordinator_gone(process_count) -> str:
+  """The words for process 0 gone, as `gone_line` takes them: the same whether its coordination
+  service's RPCs failed first (this filter) or its heartbeats stopped (heartbeats.PeerWatch)."""
+  return (f"process 0 of {process_count}, which serves JAX's coordination service, no longer "
+          'answers')
+
+
 def gone_line(gone: str, workdir: str, process_count: int, process_index: int,
               command: str) -> str:
   """The line that says which process is `gone` (its words: 'process 1 of 2 sent no heartbeat
@@ -148,8 +155,8 @@ def main(argv: list[str]) -> None:
   workdir, count, index, command = argv[1:]
 
   def process_0_gone() -> bytes:
-    return (gone_line(f"process 0 of {count}, which serves JAX's coordination service, no "
-                      'longer answers', workdir, int(count), int(index), command) + '\n').encode()
+    return (gone_line(coordinator_gone(count), workdir, int(count), int(index), command)
+            + '\n').encode()
 
   copy_until_coordinator_lost(0, sys.stdout.buffer, process_0_gone)
 

@@ -35,10 +35,11 @@ def exit_for_gone_process(workdir: str, command: str, process: int, seconds: flo
   """heartbeats.PeerWatch's `on_gone`, `workdir` and `command` (the one that resumes this
   process) given first: says in one line which process is gone and how to resume, and ends this
   process at once (its collectives would wait for the gone one until JAX's runtime aborts
-  it)."""
-  end_with(gone_process.gone_line(
-      f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s',
-      workdir, jax.process_count(), jax.process_index(), command))
+  it). Process 0 is named as the filter of gone_process names it, whichever noticed first."""
+  gone = (gone_process.coordinator_gone(jax.process_count()) if process == 0 else
+          f'process {process} of {jax.process_count()} sent no heartbeat for {seconds:.0f} s')
+  end_with(gone_process.gone_line(gone, workdir, jax.process_count(), jax.process_index(),
+                                  command))
 
 
 def exit_for_failed_process(process: int, line: str) -> None:
