@@ -1,6 +1,6 @@
 """Tests of segmentation: the canvases of fashion_mnist_segmentation, the per-pixel loss and its
-ignore label, pixel accuracy and mIoU, fine-tuning from a classifier, and a run of
-configs/segmentation.py as a user types it."""
+ignore label, pixel accuracy and mIoU, fine-tuning from a classifier, encoding in tiles
+(config.seg.window), and a run of configs/segmentation.py as a user types it."""
 import os
 import subprocess
 import sys
@@ -219,6 +219,14 @@ def test_fine_tuning_at_twice_the_window_keeps_the_classifiers_position_embeddin
   assert posemb.tobytes() == params['Transformer']['posembed_input']['pos_embedding'].tobytes()
   assert model.apply({'params': loaded}, helpers.images_of(32), train=False).shape == (
       2, 32, 32, 11)
+
+
+def test_a_model_npz_saved_before_windows_existed_loads_encoding_whole_images(tmp_path):
+  model = segmentation.with_segmentation(helpers.tiny_vit(num_classes=11))
+  spec = {**registry.model_spec(model, 'tiny'), 'objective': 'segmentation'}  # No 'seg' in it.
+  npz.save(helpers.random_params(model, 16), tmp_path / 'model.npz', spec=spec)
+  loaded, _ = runs.load_model(tmp_path / 'model.npz')
+  assert isinstance(loaded, segmentation.SegmentationViT) and loaded.window is None
 
 
 def test_a_window_that_does_not_tile_the_crop_or_cut_into_patches_is_one_line():

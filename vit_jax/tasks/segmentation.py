@@ -14,6 +14,11 @@ for pixels that count nowhere. The loss is the per-pixel softmax cross-entropy (
 config.label_smoothing) averaged over the labelled pixels of the batch. Evaluation sums the
 confusion matrix of the labelled pixels (`confusion`); from it `scores` gives the pixel accuracy
 and the mean IoU over the classes present in the labels or the predictions.
+
+With `config.seg.window`, the encoder sees each image as tiles of that many pixels, each encoded
+alone (`SegmentationViT`): a classifier pre-trained at that size keeps its position embeddings
+as they are, and its objects' scale and context. The spec of model.npz records the window
+(`config_section`).
 """
 from typing import Any, Optional
 
