@@ -14,7 +14,6 @@ images, the share of the item patches (those mostly covered by an item) classifi
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from vit_jax import hardware
@@ -38,14 +37,13 @@ def patch_classes(masks: np.ndarray, patch: int) -> np.ndarray:
 def block_maps(model, params, images: np.ndarray, window: int | None) -> np.ndarray:
   """(blocks, N, rows, columns, D) tokens of every block for uint8 (N, H, W) grey `images`, each
   standardised over D; with `window`, of each window x window tile encoded alone."""
-  tiler = segmentation.with_segmentation(model, window)
-  apply = jax.jit(lambda x: model.apply({'params': params}, x, method='intermediates',
+  tiled = segmentation.with_segmentation(model, window)
+  apply = jax.jit(lambda x: tiled.apply({'params': params}, x, method='intermediates',
                                         blocks=tuple(range(model.num_layers)), maps=True).tokens)
   maps = []
   for start in range(0, len(images), 250):
     x = np.repeat(images[start:start + 250, ..., None], 3, -1).astype(np.float32) / 127.5 - 1
-    tiles, layout = tiler.tiles(jnp.asarray(x))
-    maps.append(np.stack([segmentation.join_tiles(m, layout) for m in apply(tiles)]))
+    maps.append(np.stack(apply(x)))
   maps = np.concatenate(maps, axis=1)
   return (maps - maps.mean(-1, keepdims=True)) / (maps.std(-1, keepdims=True) + 1e-6)
 

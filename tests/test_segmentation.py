@@ -204,8 +204,26 @@ def test_the_features_of_a_tiled_image_are_the_mean_of_its_tiles_features():
   np.testing.assert_allclose(whole, np.mean(tiles, axis=0), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match='not a whole number of the 4 px tiles'):
     model.apply({'params': params}, helpers.images_of(6), train=False)
-  with pytest.raises(ValueError, match='take them of each tile'):
-    model.apply({'params': params}, images, method='intermediates', blocks=(0,))
+
+
+def test_the_intermediates_of_a_tiled_image_are_its_tiles_joined():
+  """Block 0's tokens of an 8 x 8 image in 4 px tiles: the top-right tile's patch tokens are
+  those of that tile encoded alone, in the image's map and among its rows of tokens; the class
+  token is the mean of the tiles'."""
+  model = one_pixel_patch_model(4)
+  params = helpers.random_params(model, 8)
+  images = helpers.images_of(8)
+  apply = lambda x, maps: model.apply({'params': params}, x, method='intermediates', blocks=(0,),
+                                      maps=maps)
+  whole_maps, whole_tokens = apply(images, True), apply(images, False)
+  tiles = [apply(images[:, r:r + 4, c:c + 4], True) for r in (0, 4) for c in (0, 4)]
+  top_right = tiles[1].tokens[0]  # (2, 4, 4, D)
+  np.testing.assert_allclose(whole_maps.tokens[0][:, :4, 4:], top_right, rtol=1e-4, atol=1e-4)
+  rows = np.asarray(whole_tokens.tokens[0])[:, 1:].reshape(2, 8, 8, -1)  # After the class token.
+  np.testing.assert_allclose(rows[:, :4, 4:], top_right, rtol=1e-4, atol=1e-4)
+  mean_class_token = np.mean([t.class_tokens[0] for t in tiles], axis=0)
+  np.testing.assert_allclose(whole_maps.class_tokens[0], mean_class_token, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(whole_tokens.tokens[0][:, 0], mean_class_token, rtol=1e-4, atol=1e-4)
 
 
 def test_fine_tuning_at_twice_the_window_keeps_the_classifiers_position_embeddings(tmp_path):

@@ -20,7 +20,7 @@ alone (`SegmentationViT`): a classifier pre-trained at that size keeps its posit
 as they are, and its objects' scale and context. The spec of model.npz records the window
 (`config_section`).
 """
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -100,14 +100,32 @@ class SegmentationViT(vit.VisionTransformer):
       self.pool_and_classify(tokens, head=False)  # Declares pre_logits, where the model has it.
     return self.segment(tokens, grid, layout, images.shape[1:3])
 
-  def intermediates(self, images, **kwargs) -> vit.Intermediates:
-    """VisionTransformer.intermediates; a ValueError with `window`, whose blocks see one tile
-    at a time (apply them to the tiles, `tiles`, as the model's VisionTransformer)."""
-    if self.window:
-      raise ValueError(f'intermediates of a model that encodes {self.window} px tiles '
-                       f'(window={self.window}): take them of each tile (SegmentationViT.tiles) '
-                       'with the model as a VisionTransformer, window left out.')
-    return super().intermediates(images, **kwargs)
+  def intermediates(self, images, *, blocks: Sequence[int], maps: bool = False,
+                    train: bool = False) -> vit.Intermediates:
+    """VisionTransformer.intermediates; with `window`, of the tiles, each encoded alone, joined
+    as the image's: per chosen block the tiles' patch tokens as the image's (B, rows, columns, D)
+    map, or without `maps` its (B, T, D) tokens, the patches row-major after the class token;
+    that class token, and `features`, the mean of the tiles' ones."""
+    if not self.window:
+      return super().intermediates(images, blocks=blocks, maps=maps, train=train)
+    tiles, layout = self.tiles(images)
+    per_tile = super().intermediates(tiles, blocks=blocks, maps=True, train=train)
+    batch = images.shape[0]
+
+    def mean_over_tiles(x):
+      return x.reshape(batch, -1, *x.shape[1:]).mean(axis=1)
+
+    token_maps = tuple(join_tiles(m, layout) for m in per_tile.tokens)
+    class_tokens = (tuple(map(mean_over_tiles, per_tile.class_tokens))
+                    if per_tile.class_tokens else None)
+    features = mean_over_tiles(per_tile.features)
+    if maps:
+      return vit.Intermediates(per_tile.blocks, token_maps, class_tokens, features)
+    tokens = tuple(m.reshape(batch, -1, m.shape[-1]) for m in token_maps)
+    if class_tokens:
+      tokens = tuple(jnp.concatenate([c[:, None], t], axis=1)
+                     for c, t in zip(class_tokens, tokens))
+    return vit.Intermediates(per_tile.blocks, tokens, None, features)
 
 
 def join_tiles(maps: jax.Array, layout: tuple[int, int]) -> jax.Array:
