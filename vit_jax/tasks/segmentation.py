@@ -94,8 +94,7 @@ class SegmentationViT(vit.VisionTransformer):
     patches, grid = self.embed_patches(tiles)
     tokens = self.encode(self.add_class_token(patches), grid, train=train)
     if not head:
-      features = self.pool_and_classify(tokens, head=False)
-      return features.reshape(images.shape[0], -1, *features.shape[1:]).mean(axis=1)
+      return mean_over_tiles(self.pool_and_classify(tokens, head=False), images.shape[0])
     if self.is_initializing():
       self.pool_and_classify(tokens, head=False)  # Declares pre_logits, where the model has it.
     return self.segment(tokens, grid, layout, images.shape[1:3])
@@ -111,14 +110,10 @@ class SegmentationViT(vit.VisionTransformer):
     tiles, layout = self.tiles(images)
     per_tile = super().intermediates(tiles, blocks=blocks, maps=True, train=train)
     batch = images.shape[0]
-
-    def mean_over_tiles(x):
-      return x.reshape(batch, -1, *x.shape[1:]).mean(axis=1)
-
     token_maps = tuple(join_tiles(m, layout) for m in per_tile.tokens)
-    class_tokens = (tuple(map(mean_over_tiles, per_tile.class_tokens))
+    class_tokens = (tuple(mean_over_tiles(c, batch) for c in per_tile.class_tokens)
                     if per_tile.class_tokens else None)
-    features = mean_over_tiles(per_tile.features)
+    features = mean_over_tiles(per_tile.features, batch)
     if maps:
       return vit.Intermediates(per_tile.blocks, token_maps, class_tokens, features)
     tokens = tuple(m.reshape(batch, -1, m.shape[-1]) for m in token_maps)
@@ -134,6 +129,12 @@ def join_tiles(maps: jax.Array, layout: tuple[int, int]) -> jax.Array:
   (rows, columns), (h, w, d) = layout, maps.shape[1:]
   maps = maps.reshape(-1, rows, columns, h, w, d).transpose(0, 1, 3, 2, 4, 5)
   return maps.reshape(-1, rows * h, columns * w, d)
+
+
+def mean_over_tiles(values: jax.Array, batch: int) -> jax.Array:
+  """(B * R * S, ...) values of the tiles of `SegmentationViT.tiles` -> (B, ...), their mean
+  per image (B = `batch`)."""
+  return values.reshape(batch, -1, *values.shape[1:]).mean(axis=1)
 
 
 def bilinear_weights(size: int, grid: int) -> np.ndarray:
