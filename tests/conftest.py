@@ -13,10 +13,13 @@ import pytest
 
 # The tests' programs are tiny, so compiling them takes longer than running them. At LLVM
 # optimisation level 0, with XLA:CPU's elemental emitters instead of its fusion emitters, a tiny
-# train step compiles about three times as fast, with the same losses to 5 digits (the figures:
-# docs/testing.md).
+# train step compiles about three times as fast, with the same losses to 5 digits. As one LLVM
+# module, not split for threads to compile in parallel, it takes a fifth less CPU time again: the
+# suite keeps every core busy, so those threads would only add their overhead (the figures:
+# docs/testing.md; benchmarks/compile_options.py).
 # Tests that start processes with other devices keep these flags (helpers.xla_flags).
-QUICK_COMPILE = ['--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false']
+QUICK_COMPILE = ['--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false',
+                 '--xla_cpu_parallel_codegen_split_count=1']
 _DEVICES = '--xla_force_host_platform_device_count'
 os.environ['XLA_FLAGS'] = ' '.join(
     [flag for flag in os.environ.get('XLA_FLAGS', '').split()
