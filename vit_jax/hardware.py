@@ -141,7 +141,8 @@ def keep_freed_host_memory() -> bool:
   large to the kernel at once, so each step faults them back in, page by page: half a million
   page faults and 5-10% of the step's time on 2 cores. With one malloc arena, no
   mmap-allocated blocks and no trimming, freed memory stays in the process and the next step
-  reuses it; the process then holds its high-water mark of memory until it exits.
+  reuses it; the process then holds its high-water mark of memory until it exits. (On a loaded
+  host a step may still fault where its buffers were freed too late to reuse and the heap grows.)
 
   Acts only where JAX runs on the CPU (`only_cpu_backend`) and the C library is glibc, and only
   on threads that have not allocated yet: call it before the first JAX computation (the
