@@ -22,14 +22,12 @@ from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = {'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': False}
 # In turns, each set adds to the one before: the options of tests/conftest.py's QUICK_COMPILE.
 OPTION_SETS = {
     "XLA's defaults": {},
-    'LLVM level 0, elemental emitters': {'xla_backend_optimization_level': 0,
-                                         'xla_cpu_use_fusion_emitters': False},
-    '+ one LLVM module (no parallel codegen)': {'xla_backend_optimization_level': 0,
-                                                'xla_cpu_use_fusion_emitters': False,
-                                                'xla_cpu_parallel_codegen_split_count': 1},
+    'LLVM level 0, elemental emitters': QUICK,
+    '+ one LLVM module (no parallel codegen)': {**QUICK, 'xla_cpu_parallel_codegen_split_count': 1},
 }
 
 
