@@ -2,9 +2,10 @@
 
     python benchmarks/compile_options.py [--rounds 3] [--per_round 4]
 
-tests/conftest.py compiles the suite's programs with QUICK_COMPILE's options: tiny programs
-compile for longer than they run. This prints, for XLA's defaults and for each option added in
-turn, the median over rounds of the process CPU-s per compile, and its ratio to the defaults.
+tests/conftest.py compiles the suite's programs with the options of tests/quick_compile.py: tiny
+programs compile for longer than they run. This prints, for XLA's defaults and for each of those
+options added in turn, the median over rounds of the process CPU-s per compile, and its ratio to
+the defaults'.
 
 Each compile is of a program lowered afresh (the tiny config of tests/tiny_config.py at a learning
 rate of its own, so that no cache answers), on 4 CPU devices as the tests have them. The option
@@ -22,13 +23,26 @@ from vit_jax.training import fit
 from vit_jax.training import setup as train_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICK = {'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': False}
-# In turns, each set adds to the one before: the options of tests/conftest.py's QUICK_COMPILE.
-OPTION_SETS = {
-    "XLA's defaults": {},
-    'LLVM level 0, elemental emitters': QUICK,
-    '+ one LLVM module (no parallel codegen)': {**QUICK, 'xla_cpu_parallel_codegen_split_count': 1},
-}
+QUICK_COMPILE = runpy.run_path(os.path.join(ROOT, 'tests', 'quick_compile.py'))['QUICK_COMPILE']
+
+
+def compiler_option(flag: str) -> tuple[str, bool | int | str]:
+  """('xla_name', value) of the XLA flag '--xla_name=value', its value typed as compile() takes
+  it: 'true' and 'false' as bools, digits as an int."""
+  name, value = flag.removeprefix('--').split('=', 1)
+  if value in ('true', 'false'):
+    return name, value == 'true'
+  return name, int(value) if value.lstrip('-').isdigit() else value
+
+
+def option_sets() -> dict[str, dict[str, bool | int | str]]:
+  """{name: compiler options}: XLA's defaults, then each flag of QUICK_COMPILE added in turn to
+  the ones before it."""
+  options = dict(map(compiler_option, QUICK_COMPILE))
+  names = list(options)
+  return {"XLA's defaults": {}, **{f'+ {name}={options[name]}':
+                                   {kept: options[kept] for kept in names[:i + 1]}
+                                   for i, name in enumerate(names)}}
 
 
 def main():
@@ -48,19 +62,21 @@ def main():
     return fit.lower_train_step(config, mesh, 10)
 
   lowered_afresh().compile()  # Warm-up: the first compile also loads XLA's passes.
-  seconds = {name: [] for name in OPTION_SETS}
+  sets = option_sets()
+  seconds = {name: [] for name in sets}
   for _ in range(args.rounds):
-    for name, options in OPTION_SETS.items():
+    for name, options in sets.items():
       lowered = [lowered_afresh() for _ in range(args.per_round)]
       start = time.process_time()
       for program in lowered:
         program.compile(compiler_options=options)
       seconds[name].append((time.process_time() - start) / args.per_round)
   baseline = statistics.median(seconds["XLA's defaults"])
-  print(f'{"options":42} {"CPU-s per compile":>18} {"of the defaults":>16}')
+  width = max(map(len, sets))
+  print(f'{"options":{width}} {"CPU-s per compile":>18} {"of the defaults":>16}')
   for name, values in seconds.items():
     median = statistics.median(values)
-    print(f'{name:42} {median:18.3f} {median / baseline:16.2f}')
+    print(f'{name:{width}} {median:18.3f} {median / baseline:16.2f}')
 
 
 if __name__ == '__main__':

@@ -11,20 +11,15 @@ import tempfile
 
 import pytest
 
-# The tests' programs are tiny, so compiling them takes longer than running them. At LLVM
-# optimisation level 0, with XLA:CPU's elemental emitters instead of its fusion emitters, a tiny
-# train step compiles about three times as fast, with the same losses to 5 digits. As one LLVM
-# module, not split for threads to compile in parallel, it takes a fifth less CPU time again: the
-# suite keeps every core busy, so those threads would only add their overhead (the figures:
-# docs/testing.md; benchmarks/compile_options.py).
-# Tests that start processes with other devices keep these flags (helpers.xla_flags).
-QUICK_COMPILE = ['--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false',
-                 '--xla_cpu_parallel_codegen_split_count=1']
+from quick_compile import QUICK_COMPILE
+
+# quick_compile.py's options and 4 simulated devices, for this session and the processes it starts
+# (those with other devices keep the options: helpers.xla_flags).
 _DEVICES = '--xla_force_host_platform_device_count'
 os.environ['XLA_FLAGS'] = ' '.join(
     [flag for flag in os.environ.get('XLA_FLAGS', '').split()
      if flag not in QUICK_COMPILE and not flag.startswith(_DEVICES)]
-    + QUICK_COMPILE + [f'{_DEVICES}=4'])
+    + list(QUICK_COMPILE) + [f'{_DEVICES}=4'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 # The tests compile the same tiny programs many times, in this process, in pytest-xdist's workers
