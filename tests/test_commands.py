@@ -25,6 +25,7 @@ from helpers import TINY_CONFIG
 from helpers import tiny_config
 from vit_jax import cache
 from vit_jax.checkpoints import npz
+from vit_jax.config import defaults
 from vit_jax.models import registry
 from vit_jax.tools import export
 from vit_jax.tools import predict
@@ -96,9 +97,11 @@ def test_main_prints_the_projects_lines_only_on_one_device_per_core(short_run):
   assert all(re.match(r'\d\d:\d\d:\d\d ', line) for line in lines), console  # All logged.
   assert not re.search(r'orbax|CheckpointManager|Hyperparameters|TPU', console, re.IGNORECASE)
   devices = min(os.cpu_count(), len(os.sched_getaffinity(0)))
+  config = defaults.get_config()
+  params = registry.count_params(registry.get_model(config.model, num_classes=10), config.pp.crop)
   for expected in (f'Workdir: {re.escape(str(workdir))}',
                    fr"Mesh: {{'data': {devices}, 'model': 1}} over {devices} cpu devices\.",
-                   r'Model ViT-mini_7: [\d,]+ params, [\d.]+ GFLOPs', r'step 6/6: loss [\d.]+',
+                   fr'Model ViT-mini_7: {params:,} params, [\d.]+ GFLOPs', r'step 6/6: loss [\d.]+',
                    f'step 6: checkpoint -> {re.escape(str(workdir))}/checkpoints/6',
                    r'step 6: test accuracy [\d.]+', r'step 6: few-shot linear accuracy', r'Done: '):
     assert re.search(expected, console), (expected, console)

@@ -112,11 +112,13 @@ def abstract_train_state(config, model, optimizer: Optimizer, mesh: Mesh, image_
                          params: Any = None) -> tuple[TrainState, TrainState]:
   """(state as ShapeDtypeStructs that carry their shardings, the shardings), as
   `create_train_state` lays the state out on `mesh`, without making it."""
+  declared = sharding.declared_params(model, image_size)
+  if params is None:  # The model's shapes, traced once: only the optimiser's state is left.
+    params = flax.linen.meta.unbox(declared)
   init = train_state_init(config, model, optimizer, image_size)
   shapes = jax.eval_shape(init, jax.random.PRNGKey(config.seed), params)
-  shardings = sharding.state_shardings(
-      shapes, sharding.param_axes(sharding.declared_params(model, image_size)), mesh,
-      config.sharding, config.logical_axis_rules)
+  shardings = sharding.state_shardings(shapes, sharding.param_axes(declared), mesh,
+                                       config.sharding, config.logical_axis_rules)
   return jax.tree.map(lambda leaf, place: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                                sharding=place),
                       shapes, shardings), shardings
