@@ -157,7 +157,8 @@ def _stop(server: subprocess.Popen) -> None:
 
 def serve(path: str) -> None:
   """Forks a child for each request on the socket at `path`; sends each client its child's pid,
-  then its exit status as Popen.returncode gives it."""
+  then its exit status as Popen.returncode gives it. Where benchmarks/suite_cpu.py measures the
+  suite, also logs the CPU time of each child, and the test that asked for it, in its folder."""
   for module in PRELOADED:
     __import__(module)
   gc.freeze()  # Out of the children's collections, and unwritten: their pages stay shared.
@@ -165,26 +166,33 @@ def serve(path: str) -> None:
   listener.bind(path + '.tmp')
   listener.listen(64)
   os.rename(path + '.tmp', path)  # Ready.
-  clients = {}  # Child pid: the connection that started it.
+  clients = {}  # Child pid: (the connection that started it, the test it runs for).
+  cpu_log = os.environ.get('SUITE_CPU_DIR') and os.path.join(
+      os.environ['SUITE_CPU_DIR'], f'forks_{os.getpid()}.jsonl')
   parent = os.getppid()
   while os.getppid() == parent:  # Not past the process that started it.
     if select.select([listener], [], [], 0.02)[0]:
       connection, _ = listener.accept()
       message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+      request = json.loads(message)
       pid = os.fork()
       if pid == 0:
         listener.close()
         connection.close()
-        _child(json.loads(message), fds)  # Never returns.
+        _child(request, fds)  # Never returns.
       for fd in fds:
         os.close(fd)
       connection.sendall(str(pid).encode())
-      clients[pid] = connection
+      test = request['env'].get('PYTEST_CURRENT_TEST', '').rsplit(' (', 1)[0]  # Less its phase.
+      clients[pid] = connection, test
     while clients:
-      pid, status = os.waitpid(-1, os.WNOHANG)
+      pid, status, usage = os.wait4(-1, os.WNOHANG)
       if not pid:
         break
-      connection = clients.pop(pid)
+      connection, test = clients.pop(pid)
+      if cpu_log:
+        with open(cpu_log, 'a') as log:
+          log.write(json.dumps({'test': test, 'cpu': usage.ru_utime + usage.ru_stime}) + '\n')
       try:
         connection.sendall(str(os.waitstatus_to_exitcode(status)).encode())
       except OSError:  # The client is gone.
