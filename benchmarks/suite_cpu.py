@@ -15,13 +15,12 @@ import json
 import os
 import resource
 import tempfile
-import time
 
 import pytest
 
 FOLDER_VARIABLE = 'SUITE_CPU_DIR'  # Where the workers and the preloaded servers write.
 FORKS_PREFIX = 'forks_'  # tests/preloaded.py's log: forks_<server pid>.jsonl.
-_rows = []  # This process's tests: {'test', 'wall', 'self', 'children'}, seconds.
+_rows = []  # This process's tests: {'test', 'self', 'children'}, CPU-s.
 
 
 def _cpu(who) -> float:
@@ -38,11 +37,9 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   del nextitem
-  wall = time.monotonic()
   own, waited = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
   yield
-  _rows.append({'test': item.nodeid, 'wall': time.monotonic() - wall,
-                'self': _cpu(resource.RUSAGE_SELF) - own,
+  _rows.append({'test': item.nodeid, 'self': _cpu(resource.RUSAGE_SELF) - own,
                 'children': _cpu(resource.RUSAGE_CHILDREN) - waited})
 
 
