@@ -1,6 +1,7 @@
 """Tests of few-shot linear evaluation, vit_jax/evaluators/linear_probe.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,35 @@ def test_solver_matches_numpy_least_squares_with_an_unregularised_bias():
   reference = np.linalg.lstsq(a, np.concatenate([y, np.zeros((6, 4))]), rcond=None)[0]
   np.testing.assert_allclose(w, reference[:6], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(b, reference[6], rtol=1e-4, atol=1e-4)
+
+
+def test_the_regressions_are_solved_one_matrix_per_lapack_call_each_as_alone():
+  # XLA:CPU's LAPACK kernels spread a batch of matrices over the thread pool that runs each
+  # device's share of a computation, and wait: with the statistics on 2 devices, both threads of
+  # the pool can wait in a batched Cholesky, and `python -m vit_jax.fewshot` hangs. A single
+  # matrix runs inline.
+  rng = np.random.default_rng(2)
+  stats = linear_probe.zero_statistics(8, 3, (4,))
+  for c in range(4):  # Regression c: its own rows.
+    x = rng.normal(size=(20, 8)).astype(np.float32)
+    one = linear_probe.accumulate(linear_probe.zero_statistics(8, 3), x,
+                                  linear_probe.targets(rng.integers(0, 3, 20), 3), np.ones(20))
+    for total, value in zip(stats, one):
+      total[c] = value
+  l2 = np.array([0.1, 1.0, 10.0, 100.0], np.float32)
+  w, b = linear_probe.solve_each(stats, l2)
+  for c in range(4):
+    w_c, b_c = linear_probe.solve(linear_probe.Statistics(*(s[c] for s in stats)), l2[c])
+    np.testing.assert_allclose(w[c], w_c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b[c], b_c, rtol=1e-5, atol=1e-6)
+  hlo = linear_probe.solve_each.lower(stats, l2).compile().as_text()
+  calls = [line for line in hlo.splitlines() if 'custom_call_target="lapack_' in line]
+  assert {re.search(r'custom_call_target="lapack_(\w+)_ffi"', line)[1] for line in calls} == {
+      'spotrf', 'strsm'}  # The Cholesky factor, then two triangular solves.
+  for line in calls:  # The shapes of each call's results: one (8, 8) or (8, 3) matrix.
+    results = line.split(' = ')[1].split(' custom-call(')[0]
+    shapes = re.findall(r'f32\[([\d,]+)\]', results)
+    assert shapes and all(len(shape.split(',')) == 2 for shape in shapes), line
 
 
 def test_planted_separable_features_are_classified_perfectly():

@@ -112,7 +112,17 @@ def accumulate_each(stats: Statistics, features: jax.Array, labels: jax.Array,
   return jax.vmap(accumulate, in_axes=(0, None, None, 1))(stats, features - shift, y, weights)
 
 
-solve_each = jax.jit(jax.vmap(solve))  # C sums and l2 (C,) -> W (C, D, K), b (C, K).
+@jax.jit
+def solve_each(stats: Statistics, l2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """W (C, D, K) and b (C, K) of the C sums `stats`, each with its ridge penalty l2 (C,): `solve`
+  of one regression after the other.
+
+  Not a vmap: XLA:CPU's LAPACK kernels (jaxlib 0.10) split a batch of matrices into tasks on the
+  thread pool that also runs each device's share of a computation, then wait for the tasks. The
+  statistics are on every device, so each device's share can take a thread of the pool and wait
+  for tasks that no free thread is left to run, and the process hangs. One matrix runs inline.
+  """
+  return jax.lax.map(lambda args: solve(*args), (stats, l2))
 
 
 @jax.jit
