@@ -119,7 +119,7 @@ def test_main_keeps_its_compiled_programs_in_vit_jaxs_cache(short_run):
                                                                  'xla'))}
   # The train step, and small programs that compile in well under a second (JAX's own threshold
   # for keeping one): the few-shot solver's.
-  assert {'jit_constrained', 'jit_solve', 'jit_count_correct'} <= kept, kept
+  assert {'jit_constrained', 'jit_solve_each', 'jit_count_correct'} <= kept, kept
 
 
 @SHORT_RUN_WORKER
