@@ -206,10 +206,14 @@ def param_shapes(model: VisionTransformer, image_size: int = 224):
   return blank.param_shapes(model, image_size)
 
 
+def count_leaves(params) -> int:
+  """Number of parameters in a tree of arrays or ShapeDtypeStructs."""
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
 def count_params(model: VisionTransformer, image_size: int = 224) -> int:
   """Number of parameters at `image_size` (the position embeddings depend on it).
 
   Counted on the model with scanned blocks, which holds the same parameters stacked and traces
   one block instead of every one."""
-  scanned = model.clone(scan_layers=True)
-  return sum(x.size for x in jax.tree.leaves(param_shapes(scanned, image_size)))
+  return count_leaves(param_shapes(model.clone(scan_layers=True), image_size))

@@ -216,7 +216,7 @@ def train(config, model, optimizer, mesh, shardings, state, train_iter, checkpoi
   peak_flops, peak_kind = hardware.local_peak_flops(jnp.dtype(config.dtype))
   peak_flops *= jax.process_count()
   logging.info('Model %s: %s params, %.3f GFLOPs per training image; peak %.1f TFLOP/s (%s).',
-               config.model_name, f'{sum(leaf.size for leaf in jax.tree.leaves(state.params)):,}',
+               config.model_name, f'{registry.count_leaves(state.params):,}',
                flops_per_image / 1e9, peak_flops / 1e12, peak_kind)
   watcher = preemption.PreemptionWatcher()
   try:
