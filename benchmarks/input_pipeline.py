@@ -24,7 +24,7 @@ from PIL import Image
 
 from vit_jax import hardware
 from vit_jax.data import pipeline
-from vit_jax.data import sources
+from vit_jax.data import embedded
 from vit_jax.models import registry
 
 
@@ -38,7 +38,7 @@ def pipeline_config(dataset: str, crop: int, batch: int) -> ml_collections.Confi
 
 def write_image_folder(root: str, images_per_class: int, size: int):
   """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder."""
-  with np.load(sources.EMBEDDED_PATH) as data:
+  with np.load(embedded.EMBEDDED_PATH) as data:
     images, labels, names = data['train_images'], data['train_labels'], data['label_names']
   for split in ('train', 'test'):
     for label, name in enumerate(names):
@@ -103,9 +103,9 @@ def main():
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ('data', 'model'))
   print(f'{os.cpu_count()} CPU cores, devices: {jax.devices()}')
-  embedded = pipeline_images_per_second(
-      pipeline_config(pipeline.EMBEDDED_DATASET, args.crop, args.batch), mesh, args.batches)
-  print(f'pipeline, embedded 28 px -> {args.crop} px: {embedded:8.1f} img/s')
+  arrays = pipeline_images_per_second(
+      pipeline_config(embedded.EMBEDDED_DATASET, args.crop, args.batch), mesh, args.batches)
+  print(f'pipeline, embedded 28 px -> {args.crop} px: {arrays:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
     write_image_folder(root, images_per_class=32, size=args.folder_image_size)
     folder = pipeline_images_per_second(
@@ -114,7 +114,7 @@ def main():
         f'{folder:8.1f} img/s')
   step = train_step_images_per_second(args.model, args.crop, args.step_batch, args.steps)
   print(f'{args.model} train step, batch {args.step_batch}: {step:8.1f} img/s')
-  print(f'ratio pipeline / train step: embedded {embedded / step:.1f}x, '
+  print(f'ratio pipeline / train step: embedded {arrays / step:.1f}x, '
         f'folder {folder / step:.1f}x')
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from vit_jax import hardware
 from vit_jax.checkpoints import runs
 from vit_jax.data import segmentation as canvases
-from vit_jax.data import sources
+from vit_jax.data import embedded
 from vit_jax.models import blank
 from vit_jax.tasks import segmentation
 
@@ -75,7 +75,7 @@ def main():
   model, pretrained = runs.load_model(args.checkpoint, dynamic_img_size=True)
   item = runs.native_image_size(pretrained, model)
   untrained = jax.device_get(blank.init_params(model, jax.random.key(0), item))
-  with np.load(sources.EMBEDDED_PATH) as data:
+  with np.load(embedded.EMBEDDED_PATH) as data:
     arrays = {name: data[name] for name in data.files}
   views = {}
   for split, count in (('train', args.train), ('test', args.test)):

@@ -46,9 +46,10 @@ def scenes(images: np.ndarray, count: int, seed: int) -> Iterator[tuple[np.ndarr
 def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> str:
   """Writes `counts[split]` scenes as root/<split>/<i>.png and their classes into
   root/labels.csv; returns `root`."""
+  from vit_jax.data import embedded
   from vit_jax.data import sources
   rows = ['file,labels']
-  with np.load(sources.EMBEDDED_PATH) as data:
+  with np.load(embedded.EMBEDDED_PATH) as data:
     names = [str(name).replace(' ', '_') for name in data['label_names']]
     for index, (split, count) in enumerate(counts.items()):
       os.makedirs(os.path.join(root, split), exist_ok=True)

@@ -57,8 +57,8 @@ def write_image_folder(root, per_class: dict[str, int], class_ids=(1, 8)) -> str
   """Writes an image folder of the embedded data, `root/<split>/<class name>/<i>.png`, with
   `per_class[split]` images of each of the classes `class_ids` (default Trouser and Bag), each
   folder named after its class; returns `root` as a string."""
-  from vit_jax.data import sources  # TF.
-  with np.load(sources.EMBEDDED_PATH) as data:
+  from vit_jax.data import embedded
+  with np.load(embedded.EMBEDDED_PATH) as data:
     for split, count in per_class.items():
       for class_id in class_ids:
         folder = os.path.join(root, split, str(data['label_names'][class_id]))
@@ -81,3 +81,12 @@ def read_scalars(workdir) -> dict[str, dict[int, float]]:
   """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
   return {tag: dict(zip(steps.tolist(), values.tolist()))
           for tag, (steps, values) in analysis.read_scalars(str(workdir)).items()}
+
+
+def noting_tensorflow(module: str) -> list[str]:
+  """Python's arguments that run `python -m module` and print at its exit whether it imported
+  TensorFlow (`tensorflow imported: False`), which takes several CPU-s to import."""
+  code = ('import atexit, runpy, sys; atexit.register(lambda: print("tensorflow imported:", '
+          f'"tensorflow" in sys.modules)); sys.argv[0] = {module.split(".")[-1]!r}; '
+          f'runpy.run_module({module!r}, run_name="__main__")')
+  return ['-c', code]

@@ -152,6 +152,31 @@ def test_read_scalars_sorts_steps_and_keeps_the_last_value_of_a_resumed_run(tmp_
   np.testing.assert_allclose(loss, [0.1, 0.05, 1 + 1 / 30, 1.025], rtol=1e-6)
 
 
+def test_read_scalars_reads_what_tensorboard_reads_and_stops_at_a_record_cut_short(tmp_path):
+  from clu import metric_writers  # It imports TensorFlow.
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.util import tensor_util
+  writer = metric_writers.create_default_writer(str(tmp_path))
+  writer.write_texts(1, {'note': 'not a scalar'})
+  for step in (1, 2, 3):
+    writer.write_scalars(step, {'train_loss': 2.5 / step, 'images_per_second': 100.0 * step})
+  writer.close()
+  events = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={'tensors': 0})
+  events.Reload()
+  tensorboard = {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+                       for e in events.Tensors(tag)] for tag in ('train_loss', 'images_per_second')}
+  read = {tag: list(zip(steps.tolist(), values.tolist()))
+          for tag, (steps, values) in analysis.read_scalars(str(tmp_path)).items()}
+  assert read == tensorboard and len(read['train_loss']) == 3
+  # A writer killed mid-record: the points before the cut are read, and nothing fails.
+  [path] = tmp_path.glob('*tfevents*')
+  path.write_bytes(path.read_bytes()[:-10])
+  cut = {tag: list(zip(steps.tolist(), values.tolist()))
+         for tag, (steps, values) in analysis.read_scalars(str(tmp_path)).items()}
+  assert sum(map(len, cut.values())) == 5
+  assert all(cut[tag] == tensorboard[tag][:len(cut[tag])] for tag in tensorboard)
+
+
 def test_grid_that_does_not_fit_the_tokens_is_a_clear_error():
   with pytest.raises(ValueError, match='16 patch tokens do not fill a 3x5 grid'):
     analysis.token_to_patch_map(np.eye(17), (3, 5), class_token=True)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from helpers import noting_tensorflow
 from helpers import PHOTOS
 from helpers import random_params
 from helpers import TESTS
@@ -53,10 +54,13 @@ def user_env() -> dict[str, str]:
   return {name: value for name, value in os.environ.items() if name not in HARNESS_VARIABLES}
 
 
-def vit_jax(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
-  """`python -m vit_jax.ARGS...` as a user runs it; stdout and stderr as text."""
-  return subprocess.run([sys.executable, '-m', *(f'vit_jax.{args[0]}', *args[1:])],
-                        env=user_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def vit_jax(*args, cwd=None, timeout=600, note_tensorflow=False) -> subprocess.CompletedProcess:
+  """`python -m vit_jax.ARGS...` as a user runs it; stdout and stderr as text. With
+  `note_tensorflow`, stdout ends with whether it imported TensorFlow (helpers.noting_tensorflow)."""
+  module = f'vit_jax.{args[0]}'
+  python = noting_tensorflow(module) if note_tensorflow else ['-m', module]
+  return subprocess.run([sys.executable, *python, *args[1:]], env=user_env(), cwd=cwd,
+                        capture_output=True, text=True, timeout=timeout)
 
 
 # What TensorFlow's C++ runtime prints while it loads, before its logging is set up.
@@ -145,16 +149,20 @@ def test_the_run_continued_ends_again_with_its_few_shot_evaluation(short_run):
 @SHORT_RUN_WORKER
 def test_predict_command(short_run):
   workdir, _, _ = short_run
-  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3]))
+  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3],
+                             note_tensorflow=True))
   assert os.path.basename(PHOTOS[3]) in output
+  assert 'tensorflow imported: False' in output, output  # PIL reads the image.
 
 
 @SHORT_RUN_WORKER
 def test_visualize_command(short_run, tmp_path):
   workdir, _, _ = short_run
-  succeeded(vit_jax('visualize', '--checkpoint', str(workdir), '--output', str(tmp_path),
-                    '--num_images', '2'))
-  assert any(name.endswith('.png') for name in os.listdir(tmp_path))
+  output = succeeded(vit_jax('visualize', '--checkpoint', str(workdir), '--output', str(tmp_path),
+                             '--num_images', '2', note_tensorflow=True))
+  assert {'attention_rollout.png', 'training_curves.png'} <= set(os.listdir(tmp_path))
+  # The figures of a run on the embedded data, its training curves included, need no TensorFlow.
+  assert 'tensorflow imported: False' in output, output
 
 
 @SHORT_RUN_WORKER

@@ -30,6 +30,7 @@ from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.data import image_files
 from vit_jax.data import pipeline
+from vit_jax.data import embedded
 from vit_jax.data import sources
 from vit_jax.models import blank
 from vit_jax.tasks import supervised
@@ -181,7 +182,7 @@ class TinyMultiLabel(tfds.core.GeneratorBasedBuilder):
     return {'train': self._generate_examples(8), 'test': self._generate_examples(4)}
 
   def _generate_examples(self, count):
-    with np.load(sources.EMBEDDED_PATH) as data:
+    with np.load(embedded.EMBEDDED_PATH) as data:
       images = data['train_images'][:count]
     for i, image in enumerate(images):
       png = io.BytesIO()

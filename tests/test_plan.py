@@ -58,11 +58,9 @@ def user_env() -> dict:
 
 def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
   out = tmp_path / 'plan.json'
-  # As a user runs it, and noting whether TensorFlow was imported.
-  code = ('import atexit, runpy, sys; atexit.register(lambda: print("tensorflow imported:", '
-          '"tensorflow" in sys.modules)); sys.argv[0] = "plan"; '
-          'runpy.run_module("vit_jax.plan", run_name="__main__")')
-  run = subprocess.run([sys.executable, '-c', code, f'--config={TINY_CONFIG}',
+  # As a user runs it, noting whether TensorFlow was imported.
+  run = subprocess.run([sys.executable, *helpers.noting_tensorflow('vit_jax.plan'),
+                        f'--config={TINY_CONFIG}',
                         '--topology=v5e-4', '--multi_label', f'--out={out}'], env=user_env(),
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr

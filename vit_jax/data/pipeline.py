@@ -47,9 +47,6 @@ from vit_jax.data import sources
 from vit_jax.models import blank
 
 
-EMBEDDED_DATASET = sources.EMBEDDED_DATASET
-
-
 _ORDER, _AUGMENT = 0, 1  # Purposes of random keys.
 
 

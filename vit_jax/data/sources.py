@@ -21,14 +21,12 @@ from PIL import Image
 import tensorflow as tf
 
 from vit_jax.data import segmentation
+from vit_jax.data.embedded import EMBEDDED_DATASET, SEGMENTATION_DATASET
+from vit_jax.data.embedded import embedded_arrays
 from vit_jax.data import shards
 from vit_jax.data import tfds_source
 
 
-EMBEDDED_DATASET = 'fashion_mnist_embedded'
-# Canvases of 2 to 4 items of the embedded data, with per-pixel labels (data/segmentation.py).
-SEGMENTATION_DATASET = 'fashion_mnist_segmentation'
-EMBEDDED_PATH = os.path.join(os.path.dirname(__file__), 'fashion_mnist_embedded.npz')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
 # DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
@@ -41,15 +39,6 @@ MASK_IGNORE = 255  # config.seg.ignore_label's default.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 
 
-def _embedded_arrays() -> dict[str, np.ndarray]:
-  if not os.path.exists(EMBEDDED_PATH):
-    raise FileNotFoundError(
-        f'The embedded dataset {EMBEDDED_PATH} is missing: reinstall vit_jax, or rebuild it with '
-        '`python scripts/build_embedded_dataset.py`.')
-  with np.load(EMBEDDED_PATH) as data:
-    return {name: data[name] for name in data.files}
-
-
 def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
   """uint8 (height, width) -> uint8 (height, width, 3)."""
   return tf.image.grayscale_to_rgb(image[..., None])
@@ -57,7 +46,7 @@ def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
 
 def embedded_source() -> shards.ArraySource:
   """Fashion-MNIST as shipped in `vit_jax/data/` (see its README): splits `train` and `test`."""
-  arrays = _embedded_arrays()
+  arrays = embedded_arrays()
 
   def load_split(name):
     if f'{name}_images' not in arrays:
@@ -72,7 +61,7 @@ def embedded_source() -> shards.ArraySource:
 def segmentation_source() -> shards.ArraySource:
   """The canvases of the embedded data's `train` and `test` items (vit_jax/data/segmentation.py),
   each labelled per pixel: (56, 56) masks of 11 classes, 'background' first."""
-  arrays = _embedded_arrays()
+  arrays = embedded_arrays()
 
   def load_split(name):
     if name not in segmentation.SPLIT_STREAMS:

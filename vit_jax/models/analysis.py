@@ -11,6 +11,8 @@ Attention stacks are (L, B, N, T, T): query rows, key columns, each row summing 
 - `embedding_filter_components`: principal components of the patch-embedding filters.
 - `read_scalars`: the scalars a training run logged to TensorBoard.
 """
+import collections
+from collections.abc import Iterator
 import functools
 import os
 
@@ -134,29 +136,53 @@ def embedding_filter_components(kernel: np.ndarray, num_components: int = 28,
           variance[:k] / variance.sum())
 
 
+def _event_records(path: str) -> Iterator[bytes]:
+  """The records of a TFRecord file of TensorBoard events, in order. Each record is its length
+  (uint64, little-endian), that length's checksum, the data and the data's checksum (4 bytes
+  each); reading stops at a record cut short, as a killed writer leaves one."""
+  with open(path, 'rb') as f:
+    while len(header := f.read(12)) == 12:
+      length = int.from_bytes(header[:8], 'little')
+      data = f.read(length)
+      if len(data) < length or len(f.read(4)) < 4:
+        return
+      yield data
+
+
+def _logged_points(path: str, plugins: dict[str, str]) -> Iterator[tuple[str, int, float]]:
+  """(tag, step, value) of each scalar in the event file at `path`: tensor summaries whose
+  tag the scalars plugin owns (`clu.metric_writers`; a writer names a tag's plugin the first
+  time it writes the tag, which `plugins` collects) and legacy scalar summaries."""
+  from tensorboard.compat.proto import event_pb2  # TensorBoard's own protos: no TensorFlow.
+  from tensorboard.util import tensor_util
+
+  for record in _event_records(path):
+    event = event_pb2.Event.FromString(record)
+    for value in event.summary.value:
+      if value.metadata.plugin_data.plugin_name:
+        plugins[value.tag] = value.metadata.plugin_data.plugin_name
+      if value.HasField('simple_value'):
+        yield value.tag, event.step, value.simple_value
+      elif value.HasField('tensor') and plugins.get(value.tag) == 'scalars':
+        yield value.tag, event.step, float(tensor_util.make_ndarray(value.tensor))
+
+
 def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """The scalars logged in `workdir`'s TensorBoard event files: {tag: (steps, values)}.
 
   Reads both tensor summaries (as `clu.metric_writers` writes them) and legacy scalar
-  summaries. Steps are sorted; a step logged twice (a resumed run) keeps its last value.
-  Imports TensorFlow (about 7 s), which TensorBoard uses to read the files.
+  summaries, from the files in the order of their names (each begins with the time it was
+  started). Steps are sorted; a step logged twice (a resumed run) keeps its last value.
   """
-  from tensorboard.backend.event_processing import event_accumulator
-  from tensorboard.util import tensor_util
-
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f'No training workdir at {workdir!r}.')
-  events = event_accumulator.EventAccumulator(workdir, size_guidance={'tensors': 0, 'scalars': 0})
-  events.Reload()
-  tags = events.Tags()
-  scalar_tensors = [tag for tag in tags['tensors']
-                    if events.SummaryMetadata(tag).plugin_data.plugin_name == 'scalars']
-  logged = {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
-                  for e in events.Tensors(tag)] for tag in scalar_tensors}
-  logged.update({tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags['scalars']})
+  logged, plugins = collections.defaultdict(dict), {}
+  for name in sorted(os.listdir(workdir)):
+    if 'tfevents' in name and os.path.isfile(os.path.join(workdir, name)):
+      for tag, step, value in _logged_points(os.path.join(workdir, name), plugins):
+        logged[tag][step] = value
   curves = {}
-  for tag, points in logged.items():
-    by_step = dict(points)
+  for tag, by_step in logged.items():
     steps = np.array(sorted(by_step))
     curves[tag] = steps, np.array([by_step[s] for s in steps], np.float64)
   return curves

@@ -42,6 +42,7 @@ from PIL import Image
 from vit_jax import console
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
+from vit_jax.data import embedded
 from vit_jax.data import image_files
 from vit_jax.models import analysis
 from vit_jax.models import positions
@@ -60,9 +61,8 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
-  from vit_jax.data import sources  # It imports TensorFlow.
   config = runs.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
-  return (config or {}).get('dataset') == sources.EMBEDDED_DATASET
+  return (config or {}).get('dataset') == embedded.EMBEDDED_DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
@@ -75,8 +75,7 @@ def load_model(checkpoint_path: str, model_name: Optional[str] = None):
 
 def embedded_images(num_images: int, size: int) -> np.ndarray:
   """The first test images of the embedded Fashion-MNIST set: (B, size, size, 3) in [-1, 1]."""
-  from vit_jax.data import sources  # It imports TensorFlow.
-  with np.load(sources.EMBEDDED_PATH) as data:
+  with np.load(embedded.EMBEDDED_PATH) as data:
     grey = data['test_images'][:num_images]
   rgb = [Image.fromarray(x).convert('RGB').resize((size, size), Image.Resampling.BILINEAR)
          for x in grey]
