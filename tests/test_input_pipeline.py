@@ -18,8 +18,9 @@ from PIL import Image
 import pytest
 import tensorflow_datasets as tfds
 
-from vit_jax.data import pipeline as ip
+from helpers import write_image_folder
 from vit_jax.data import embedded
+from vit_jax.data import pipeline as ip
 from vit_jax.data import sources
 import tiny_tfds
 
@@ -128,6 +129,30 @@ def test_train_batches_have_shapes_ranges_and_labels(config_factory):
     assert -1 <= batch['image'].min() < batch['image'].max() <= 1
     assert batch['label'].dtype == np.int32
     assert set(batch['label']) <= set(range(ip.get_dataset_info(config).num_classes))
+
+
+def test_a_flat_folder_of_class_folders_holds_out_a_tenth_of_its_images_to_test(tmp_path,
+                                                                                caplog):
+  """DIR/<class>/*.png with no split folders, as torchvision's ImageFolder reads one."""
+  caplog.set_level(logging.INFO)
+  # The folder of its split `train`: DIR/train/{Bag,Trouser}/*.png, 20 images each.
+  flat = os.path.join(write_image_folder(tmp_path, {'train': 20}), 'train')
+  config = make_config(dataset=flat, test_split='test')
+  info = ip.get_dataset_info(config)
+  assert info.label_names == ['Bag', 'Trouser']
+  assert (info.num_train, info.num_test) == (36, 4)
+  assert f'{flat} has no train/ and test/ folders: 10% of the images' in caplog.text
+  source = sources.get_source(config)
+  (train, train_labels), (test, test_labels) = source.select('train'), source.select('test')
+  on_disk = {os.path.join(flat, name, file) for name in ('Bag', 'Trouser')
+             for file in os.listdir(os.path.join(flat, name))}
+  assert len(on_disk) == 40 and set(train) | set(test) == on_disk
+  assert not set(train) & set(test)
+  for path, label in [*zip(train, train_labels), *zip(test, test_labels)]:
+    assert os.path.basename(os.path.dirname(path)) == info.label_names[label]
+  assert len(source.select('train[:50%]')[0]) == 18
+  with pytest.raises(ValueError, match=r"its splits are train and test .* not 'val'"):
+    source.select('val')
 
 
 def test_randaugment_runs_on_the_images_of_every_source(config_factory):
@@ -433,7 +458,7 @@ def test_undecodable_image_is_skipped_and_counted(folder_with_bad_image, caplog)
   with caplog.at_level(logging.WARNING):
     info = ip.get_dataset_info(config)
   assert info.num_train == 9
-  assert f'Skipping 1 undecodable image(s) of 10 in {root}/train' in caplog.text
+  assert f"Skipping 1 undecodable image(s) of 10 in {root} split 'train'" in caplog.text
   assert bad in caplog.text
   assert len(take(ip.train_batches(config), 3)) == 3
 

@@ -120,6 +120,19 @@ def test_predict_prints_the_class_names_of_the_runs_folder(own_run, monkeypatch,
         'Bag (0)', 'Trouser (1)'], out
 
 
+def test_a_flat_folder_of_class_folders_trains_and_tests_on_a_tenth_held_out(tmp_path):
+  """`--config.dataset=DIR` on DIR/<class>/*.png with no split folders (torchvision's layout)."""
+  os.rename(write_image_folder(tmp_path / 'split', {'train': 20}) + '/train', tmp_path / 'flat')
+  status, log = run(['vit_jax.main', '--config.dataset=flat', '--config.total_steps=2',
+                     '--config.batch=8', '--config.batch_eval=8'], tmp_path)
+  assert status == 0, log
+  assert ('flat has no train/ and test/ folders: 10% of the images of its class folders are '
+          'held out as its test split') in log
+  assert ('Dataset flat: 36 train images (train), 4 test images (test), 2 classes (Bag, '
+          'Trouser).') in log
+  assert re.search(r'step 2: test accuracy [\d.]+', log) and 'Done: ' in log, log
+
+
 def test_a_folder_of_one_class_is_refused_before_anything_compiles(tmp_path, monkeypatch, caplog):
   # The line `vit_jax.main` prints for a ConfigError, and its exit status 1:
   # tests/test_config_errors.py.

@@ -1,8 +1,9 @@
 """Input pipeline: preprocessed, sharded, resumable batches of images.
 
 Sources (`config.dataset`, see `sources.py`): `'fashion_mnist_embedded'` (ships with the
-package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,png,bmp,gif,webp}` (or, labelled
-per pixel, `DIR/{train,test}/{images,masks}/`), or a tfds name.
+package), an image folder `DIR/{train,test}/<class_name>/*.{jpg,png,bmp,gif,webp}` (or
+`DIR/<class_name>/*.jpg`, a tenth held out as `test`; or, labelled per pixel,
+`DIR/{train,test}/{images,masks}/`), or a tfds name.
 
 Order. Training examples come from an endless stream of epochs, each epoch in an order drawn from
 the seed and the epoch number; the random augmentation of the example at position `g` of the

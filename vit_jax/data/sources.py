@@ -37,6 +37,11 @@ LABELS_CSV = 'labels.csv'
 IMAGES, MASKS, CLASSES_TXT = 'images', 'masks', 'classes.txt'
 MASK_IGNORE = 255  # config.seg.ignore_label's default.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
+# A folder of class folders with no train/ split, DIR/<class_name>/*.jpg (as torchvision's
+# ImageFolder reads one): in the fixed class-mixed order, the last FLAT_TEST_FRACTION of its
+# images (at least one) are its split `test`, the others its split `train`.
+FLAT_SPLITS = ('train', 'test')
+FLAT_TEST_FRACTION = 0.1
 
 
 def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
@@ -109,7 +114,8 @@ def _class_dirs(split_dir: str) -> list[str]:
   if not os.path.isdir(split_dir):
     raise FileNotFoundError(
         f'Image folder split {split_dir} does not exist: an image folder dataset needs '
-        f'DIR/<split>/<class_name>/<images> (config.dataset=DIR).')
+        f'DIR/<split>/<class_name>/<images>, or DIR/<class_name>/<images> with no split '
+        f'folders (config.dataset=DIR).')
   classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
   if not classes:
     raise ValueError(f'Image folder split {split_dir} has no class subfolders: put the images of '
@@ -298,20 +304,46 @@ def mask_decoder(directory: str, num_classes: int):
   return decode
 
 
-def _drop_undecodable(split_dir: str, paths: np.ndarray,
+def _drop_undecodable(split: str, paths: np.ndarray,
                       labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Removes the files that cannot be decoded, and logs how many and which."""
+  """Removes the files that cannot be decoded, and logs how many and which (of `split`, e.g.
+  "/data/photos split 'train'")."""
   bad = list(undecodable_files(paths))
   if bad:
     shown = ', '.join(bad[:10]) + (' ...' if len(bad) > 10 else '')
     logging.warning('Skipping %d undecodable image(s) of %d in %s (config.skip_bad_images): %s',
-                    len(bad), len(paths), split_dir, shown)
+                    len(bad), len(paths), split, shown)
   keep = ~np.isin(paths, bad)
   return paths[keep], labels[keep]
 
 
+def is_flat_folder(directory: str) -> bool:
+  """Whether `directory` holds its class folders itself: no train/ split and no labels.csv, and
+  a subfolder with an image in it."""
+  if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
+      os.path.join(directory, LABELS_CSV)):
+    return False
+  return any(entry.is_dir() and any(name.lower().endswith(IMAGE_EXTENSIONS)
+                                    for name in os.listdir(entry.path))
+             for entry in os.scandir(directory))
+
+
+def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """Paths and labels of split `split` of the flat folder `directory` (FLAT_SPLITS)."""
+  if split not in FLAT_SPLITS:
+    raise ValueError(
+        f'{directory} holds its class folders without split folders, so its splits are train and '
+        f'test ({FLAT_TEST_FRACTION:.0%} of its images held out), not {split!r}: set '
+        'config.train_split / config.test_split accordingly, e.g. train[:50%].')
+  paths, labels = _list_images(directory, classes)
+  train = len(paths) - max(1, round(len(paths) * FLAT_TEST_FRACTION))
+  part = slice(None, train) if split == 'train' else slice(train, None)
+  return paths[part], labels[part]
+
+
 class FolderSource(shards.ArraySource):
-  """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`, classes sorted by name; or,
+  """Images in `directory/<split>/<class_name>/*.{jpg,png,...}`, classes sorted by name (or, in
+  a flat folder, `directory/<class_name>/*.jpg`, split by `_flat_split`); or,
   where `directory`/LABELS_CSV exists, multi-label: the images it lists, each with its classes
   (those of the train split's images, sorted by name), as multi-hot labels; or, where
   `is_mask_folder`, labelled per pixel: the images of `<split>`/IMAGES, each with its mask in
@@ -331,6 +363,12 @@ class FolderSource(shards.ArraySource):
       train_classes = sorted({name for names in _csv_split(directory, rows, 'train').values()
                               for name in names})
       list_images = lambda name: _list_csv_images(directory, rows, name, train_classes)
+    elif is_flat_folder(directory):
+      train_classes = _class_dirs(directory)
+      list_images = lambda name: _flat_split(directory, name, train_classes)
+      logging.info('%s has no train/ and test/ folders: %.0f%% of the images of its class '
+                   'folders are held out as its test split, in a fixed order.', directory,
+                   100 * FLAT_TEST_FRACTION)
     else:
       train_classes = _class_dirs(os.path.join(directory, 'train'))
       list_images = lambda name: _list_images(os.path.join(directory, name), train_classes)
@@ -338,7 +376,7 @@ class FolderSource(shards.ArraySource):
     def load_split(name):
       paths, labels = list_images(name)
       if skip_bad_images:
-        paths, labels = _drop_undecodable(os.path.join(directory, name), paths, labels)
+        paths, labels = _drop_undecodable(f'{directory} split {name!r}', paths, labels)
       return paths, labels
 
     super().__init__(directory, train_classes, load_split, decode_image_file, multi_label,
@@ -378,7 +416,7 @@ def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '')
     return FileNotFoundError(
         f'config.dataset={dataset!r} is a path, and no folder exists there (relative paths start '
         f'at {os.getcwd()}): give an image folder DIR with DIR/train/<class>/ and '
-        'DIR/test/<class>/.')
+        'DIR/test/<class>/, or DIR/<class>/.')
   return ValueError(
       f'config.dataset={dataset!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
       f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}{"; tfds: " if tfds_error else ""}'
