@@ -39,12 +39,13 @@ from vit_jax.training import workdirs
 TIMEOUT = 300  # Seconds any one process may run.
 
 
-def run(module, *args):
-  """(exit status, stdout and stderr) of `python -m module args`, as a user runs it: with the
-  device count it picks and TensorFlow's native logging as it is by default."""
+def run(module, *args, cwd=None):
+  """(exit status, stdout and stderr) of `python -m module args` (in the folder `cwd`), as a
+  user runs it: with the device count it picks and TensorFlow's native logging as it is by
+  default."""
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
   result = subprocess.run([sys.executable, '-m', module, *map(str, args)], capture_output=True,
-                          text=True, timeout=TIMEOUT, check=False,
+                          text=True, timeout=TIMEOUT, check=False, cwd=cwd,
                           env={**env, 'XLA_FLAGS': xla_flags(None)})
   return result.returncode, result.stdout + result.stderr
 
@@ -135,6 +136,16 @@ def test_a_config_file_that_does_not_exist_is_one_line(tmp_path):
       f'Config error: --config={tmp_path}/nope.py:b16: no such file {tmp_path}/nope.py. Give a '
       'config file, e.g. --config=configs/vit.py:b16,cifar10 (the configs/ folder of the '
       'repository), or leave out --config for the default run.']
+
+
+def test_a_config_of_the_repository_given_from_another_folder_is_named_with_its_path(tmp_path):
+  status, output = run('vit_jax.main', '--config=configs/vit.py:ti16,cifar10', cwd=tmp_path)
+  assert status == 1
+  config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
+                        'vit.py')
+  assert output.strip().splitlines() == [
+      f'Config error: --config=configs/vit.py:ti16,cifar10: no such file configs/vit.py in '
+      f"{tmp_path}; the repository's is {config}: give --config={config}:ti16,cifar10."]
 
 
 def test_a_peer_timeout_that_jax_or_the_heartbeats_would_overrule_is_one_line():

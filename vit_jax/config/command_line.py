@@ -58,13 +58,23 @@ def overridden_dataset(config: ml_collections.ConfigDict, argv: list[str]) -> st
   return config.dataset if config.dataset != load_config(argv).dataset else None
 
 
+# The checkout vit_jax runs from, where it was installed from one (`pip install -e .`), holds
+# configs/ beside the package.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def config_file_error(argv: list[str]) -> str | None:
   """Why the file of --config in `argv` cannot be read, in one line; None where it can (or
-  there is no --config)."""
+  there is no --config). A relative path that names a file of the checkout vit_jax runs from,
+  given from another folder, gets the --config that names it."""
   argument = given_config(argv)
-  path = (argument or '').partition(':')[0]
+  path, colon, config_argument = (argument or '').partition(':')
   if argument is None or os.path.isfile(path):
     return None
+  in_repository = os.path.join(REPOSITORY, path)
+  if not os.path.isabs(path) and os.path.isfile(in_repository):
+    return (f'--config={argument}: no such file {path} in {os.getcwd()}; the repository\'s is '
+            f'{in_repository}: give --config={in_repository}{colon}{config_argument}.')
   what = f'{path} is a folder' if os.path.isdir(path) else f'no such file {path}'
   return (f'--config={argument}: {what}. Give a config file, e.g. '
           '--config=configs/vit.py:b16,cifar10 (the configs/ folder of the repository), or leave '
