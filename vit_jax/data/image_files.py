@@ -40,6 +40,15 @@ def load_labels(labels: Optional[str], num_classes: int,
   return names
 
 
+def _eight_bit(image: Image.Image) -> Image.Image:
+  """A 16-bit greyscale image (a PNG's, PIL mode I;16 or I) as 8 bits, its values' high bytes,
+  as TensorFlow decodes it for training (PIL's own conversion would clip it at 255); any other
+  image as it is."""
+  if image.mode.startswith('I;16') or image.mode == 'I':
+    return Image.fromarray((np.clip(np.asarray(image), 0, 65535) >> 8).astype(np.uint8))
+  return image
+
+
 def load_image(path: str, image_size: int | tuple[int, int]) -> np.ndarray:
   """The image at `path` resized to `image_size` (a side, or (height, width)), as (height,
   width, 3) float32 RGB values in [-1, 1]."""
@@ -48,7 +57,7 @@ def load_image(path: str, image_size: int | tuple[int, int]) -> np.ndarray:
   try:
     with Image.open(path) as image:
       height, width = image_size if isinstance(image_size, (tuple, list)) else (image_size,) * 2
-      image = image.convert('RGB').resize((width, height), Image.Resampling.BILINEAR)
+      image = _eight_bit(image).convert('RGB').resize((width, height), Image.Resampling.BILINEAR)
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise ValueError(f'{path}: cannot decode the image ({e})') from None
   return np.asarray(image, np.float32) / 127.5 - 1
