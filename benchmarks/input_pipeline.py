@@ -38,7 +38,7 @@ def pipeline_config(dataset: str, crop: int, batch: int) -> ml_collections.Confi
 
 def write_image_folder(root: str, images_per_class: int, size: int):
   """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder."""
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     images, labels, names = data['train_images'], data['train_labels'], data['label_names']
   for split in ('train', 'test'):
     for label, name in enumerate(names):
@@ -104,7 +104,7 @@ def main():
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ('data', 'model'))
   print(f'{os.cpu_count()} CPU cores, devices: {jax.devices()}')
   arrays = pipeline_images_per_second(
-      pipeline_config(embedded.EMBEDDED_DATASET, args.crop, args.batch), mesh, args.batches)
+      pipeline_config(embedded.DATASET, args.crop, args.batch), mesh, args.batches)
   print(f'pipeline, embedded 28 px -> {args.crop} px: {arrays:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
     write_image_folder(root, images_per_class=32, size=args.folder_image_size)

@@ -75,7 +75,7 @@ def main():
   model, pretrained = runs.load_model(args.checkpoint, dynamic_img_size=True)
   item = runs.native_image_size(pretrained, model)
   untrained = jax.device_get(blank.init_params(model, jax.random.key(0), item))
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     arrays = {name: data[name] for name in data.files}
   views = {}
   for split, count in (('train', args.train), ('test', args.test)):

@@ -49,7 +49,7 @@ def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> s
   from vit_jax.data import embedded
   from vit_jax.data import sources
   rows = ['file,labels']
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     names = [str(name).replace(' ', '_') for name in data['label_names']]
     for index, (split, count) in enumerate(counts.items()):
       os.makedirs(os.path.join(root, split), exist_ok=True)

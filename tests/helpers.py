@@ -58,7 +58,7 @@ def write_image_folder(root, per_class: dict[str, int], class_ids=(1, 8)) -> str
   `per_class[split]` images of each of the classes `class_ids` (default Trouser and Bag), each
   folder named after its class; returns `root` as a string."""
   from vit_jax.data import embedded
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     for split, count in per_class.items():
       for class_id in class_ids:
         folder = os.path.join(root, split, str(data['label_names'][class_id]))

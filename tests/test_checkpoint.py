@@ -468,7 +468,7 @@ def test_grown_patches_keep_the_predictions_on_upsampled_images(tmp_path):
   model whose 7 px patches grow to 14 px (kernel resized) gives nearly the same logits, where
   one that keeps its 7 px patches (position embeddings interpolated) does not. Bilinear
   upsampling blends neighbouring patches at their borders, so the first is not exact."""
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     gray = data['test_images'][:64]
   images = np.repeat(gray[..., None], 3, -1).astype(np.float32) / 127.5 - 1
   upsampled = np.stack([image_ops.resize(image, 56).numpy() for image in images])

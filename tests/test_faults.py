@@ -246,7 +246,7 @@ def test_sigterm_during_the_final_few_shot_evaluation_stops_it_and_the_rerun_eva
 def write_image_folder(root, per_class=20):
   """An image folder of 3 classes of 28x28 PNGs (embedded Fashion-MNIST images): per_class
   training and 2 test images each."""
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     images, labels = data['train_images'], data['train_labels']
   for split, count, start in (('train', per_class, 0), ('test', 2, per_class)):
     for name, class_id in (('bag', 8), ('coat', 4), ('sandal', 5)):

@@ -92,7 +92,7 @@ def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
 def test_an_image_folder_is_a_fewshot_dataset(tiny, tmp_path):
   _, model, params = tiny
   folder = tmp_path / 'three_classes'
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     for split, count in (('train', 15), ('test', 10)):
       labels = data[f'{split}_labels']
       for class_id in (1, 7, 8):  # Trouser, sneaker, bag.

@@ -26,7 +26,7 @@ import tiny_tfds
 
 pytestmark = pytest.mark.xdist_group('input_pipeline')  # Its module fixtures are built once.
 
-with np.load(embedded.EMBEDDED_PATH) as data:
+with np.load(embedded.PATH) as data:
   EMBEDDED = {name: data[name] for name in data.files}  # Decompressed once.
 FOLDER_CLASSES = ('bag', 'coat', 'sandal')  # Fashion-MNIST classes 8, 4, 5.
 FOLDER_CLASS_IDS = (8, 4, 5)
@@ -35,7 +35,7 @@ FOLDER_CLASS_IDS = (8, 4, 5)
 def make_config(pp=None, **overrides) -> ml_collections.ConfigDict:
   """A small config: 28 px images, batches of 8."""
   config = dict(
-      dataset=embedded.EMBEDDED_DATASET, tfds_data_dir=None, tfds_manual_dir=None,
+      dataset=embedded.DATASET, tfds_data_dir=None, tfds_manual_dir=None,
       train_split='train', test_split='test',
       pp={'crop': 28, 'resize': None, 'flip': True, 'inception_crop': True, **(pp or {})},
       batch=8, batch_eval=8, seed=0, skip_bad_images=False, shuffle_buffer=64, prefetch=1)
@@ -323,7 +323,7 @@ def test_train_iterator_shards_batches_and_resumes_from_its_json_state(mesh):
   next(iterator)
   state = json.loads(json.dumps(iterator.get_state()))
   assert {k: v for k, v in state.items() if k != 'data'} == {
-      'step': 2, 'dataset': embedded.EMBEDDED_DATASET, 'train_split': 'train[:40]', 'seed': 0,
+      'step': 2, 'dataset': embedded.DATASET, 'train_split': 'train[:40]', 'seed': 0,
       'batch': 16}  # No process count: any number of processes resumes.
   assert state['data']['examples'] == 40
   expected = take(iterator, 2)

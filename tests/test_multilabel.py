@@ -182,7 +182,7 @@ class TinyMultiLabel(tfds.core.GeneratorBasedBuilder):
     return {'train': self._generate_examples(8), 'test': self._generate_examples(4)}
 
   def _generate_examples(self, count):
-    with np.load(embedded.EMBEDDED_PATH) as data:
+    with np.load(embedded.PATH) as data:
       images = data['train_images'][:count]
     for i, image in enumerate(images):
       png = io.BytesIO()

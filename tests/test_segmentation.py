@@ -20,7 +20,7 @@ from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
 from vit_jax.data import pipeline
 from vit_jax.data import segmentation as canvases
-from vit_jax.data.embedded import embedded_arrays
+from vit_jax.data import embedded as shipped_data
 from vit_jax.errors import ConfigError
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.models import blank
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(helpers.TESTS)
 @pytest.fixture(scope='module')
 def embedded():
   """The embedded Fashion-MNIST's arrays, the items the canvases are made of."""
-  return embedded_arrays()
+  return shipped_data.arrays()
 
 
 def test_the_canvases_are_the_same_every_time(embedded):

@@ -23,7 +23,7 @@ class TinyFashionMnist(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version('1.0.0')
 
   def _info(self):
-    with np.load(embedded.EMBEDDED_PATH) as data:
+    with np.load(embedded.PATH) as data:
       label_names = data['label_names']
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
         'image': tfds.features.Image(shape=(28, 28, 1)),
@@ -35,7 +35,7 @@ class TinyFashionMnist(tfds.core.GeneratorBasedBuilder):
     return {split: self._generate_examples(split, count) for split, count in SPLIT_SIZES.items()}
 
   def _generate_examples(self, split, count):
-    with np.load(embedded.EMBEDDED_PATH) as data:
+    with np.load(embedded.PATH) as data:
       images, labels = data[f'{split}_images'][:count], data[f'{split}_labels'][:count]
     for i, (image, label) in enumerate(zip(images, labels)):
       png = io.BytesIO()

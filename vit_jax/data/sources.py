@@ -20,9 +20,8 @@ import numpy as np
 from PIL import Image
 import tensorflow as tf
 
+from vit_jax.data import embedded
 from vit_jax.data import segmentation
-from vit_jax.data.embedded import EMBEDDED_DATASET, SEGMENTATION_DATASET
-from vit_jax.data.embedded import embedded_arrays
 from vit_jax.data import shards
 from vit_jax.data import tfds_source
 
@@ -51,31 +50,31 @@ def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
 
 def embedded_source() -> shards.ArraySource:
   """Fashion-MNIST as shipped in `vit_jax/data/` (see its README): splits `train` and `test`."""
-  arrays = embedded_arrays()
+  arrays = embedded.arrays()
 
   def load_split(name):
     if f'{name}_images' not in arrays:
-      raise ValueError(f'{EMBEDDED_DATASET} has splits train and test, not {name!r}: set '
+      raise ValueError(f'{embedded.DATASET} has splits train and test, not {name!r}: set '
                        'config.train_split / config.test_split accordingly.')
     return arrays[f'{name}_images'], arrays[f'{name}_labels']
 
-  return shards.ArraySource(EMBEDDED_DATASET, [str(n) for n in arrays['label_names']], load_split,
-                     _grey_to_rgb)
+  return shards.ArraySource(embedded.DATASET, [str(n) for n in arrays['label_names']],
+                            load_split, _grey_to_rgb)
 
 
 def segmentation_source() -> shards.ArraySource:
   """The canvases of the embedded data's `train` and `test` items (vit_jax/data/segmentation.py),
   each labelled per pixel: (56, 56) masks of 11 classes, 'background' first."""
-  arrays = embedded_arrays()
+  arrays = embedded.arrays()
 
   def load_split(name):
     if name not in segmentation.SPLIT_STREAMS:
-      raise ValueError(f'{SEGMENTATION_DATASET} has splits train and test, not {name!r}: set '
-                       'config.train_split / config.test_split accordingly.')
+      raise ValueError(f'{embedded.SEGMENTATION_DATASET} has splits train and test, not '
+                       f'{name!r}: set config.train_split / config.test_split accordingly.')
     return segmentation.split_of(arrays, name)
 
   label_names = segmentation.background_and([str(n) for n in arrays['label_names']])
-  return shards.ArraySource(SEGMENTATION_DATASET, label_names, load_split, _grey_to_rgb,
+  return shards.ArraySource(embedded.SEGMENTATION_DATASET, label_names, load_split, _grey_to_rgb,
                             per_pixel_labels=True)
 
 
@@ -418,16 +417,16 @@ def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '')
         f'at {os.getcwd()}): give an image folder DIR with DIR/train/<class>/ and '
         'DIR/test/<class>/, or DIR/<class>/.')
   return ValueError(
-      f'config.dataset={dataset!r} is neither {EMBEDDED_DATASET!r}, an existing image folder, '
+      f'config.dataset={dataset!r} is neither {embedded.DATASET!r}, an existing image folder, '
       f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}{"; tfds: " if tfds_error else ""}'
       f'{tfds_error}). Fix the name or the path.')
 
 
 @functools.cache
 def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffer):
-  if dataset == EMBEDDED_DATASET:
+  if dataset == embedded.DATASET:
     return embedded_source()
-  if dataset == SEGMENTATION_DATASET:
+  if dataset == embedded.SEGMENTATION_DATASET:
     return segmentation_source()
   if os.path.isdir(os.path.expanduser(dataset)):
     return FolderSource(os.path.expanduser(dataset), skip_bad_images)

@@ -62,7 +62,7 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
   config = runs.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
-  return (config or {}).get('dataset') == embedded.EMBEDDED_DATASET
+  return (config or {}).get('dataset') == embedded.DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
@@ -75,7 +75,7 @@ def load_model(checkpoint_path: str, model_name: Optional[str] = None):
 
 def embedded_images(num_images: int, size: int) -> np.ndarray:
   """The first test images of the embedded Fashion-MNIST set: (B, size, size, 3) in [-1, 1]."""
-  with np.load(embedded.EMBEDDED_PATH) as data:
+  with np.load(embedded.PATH) as data:
     grey = data['test_images'][:num_images]
   rgb = [Image.fromarray(x).convert('RGB').resize((size, size), Image.Resampling.BILINEAR)
          for x in grey]
