@@ -90,3 +90,12 @@ def noting_tensorflow(module: str) -> list[str]:
           f'"tensorflow" in sys.modules)); sys.argv[0] = {module.split(".")[-1]!r}; '
           f'runpy.run_module({module!r}, run_name="__main__")')
   return ['-c', code]
+
+
+def wide_image(path) -> str:
+  """A 40 x 80 px PNG: its middle 40 columns green, 20 red ones each side."""
+  pixels = np.zeros((40, 80, 3), np.uint8)
+  pixels[:, :20, 0] = pixels[:, 60:, 0] = 255
+  pixels[:, 20:60, 1] = 255
+  Image.fromarray(pixels).save(path)
+  return str(path)

@@ -5,6 +5,7 @@ from PIL import Image
 import pytest
 
 from helpers import PHOTOS
+from helpers import wide_image
 from vit_jax.data import image_files
 
 
@@ -45,3 +46,25 @@ def test_a_png_of_any_mode_reads_as_training_decodes_it(tmp_path, mode):
                                expand_animations=False).numpy()
   loaded = image_files.load_image(str(tmp_path / 'image.png'), (12, 20))
   np.testing.assert_array_equal(np.rint((loaded + 1) * 127.5), decoded)
+
+
+def test_with_a_resize_a_wide_image_keeps_its_centre_and_without_it_is_squashed(tmp_path):
+  path = wide_image(tmp_path / 'wide.png')
+  framed = image_files.load_image(path, 28, resize=40)  # Short side 40: the image as it is.
+  np.testing.assert_array_equal(framed, np.broadcast_to([-1.0, 1.0, -1.0], (28, 28, 3)))
+  squashed = image_files.load_image(path, 28)
+  assert squashed[:, 0, 0].min() == 1 and squashed[:, 14, 1].min() == 1  # Red edges, green centre.
+
+
+def test_with_a_resize_an_image_is_framed_as_evaluation_frames_it():
+  """As the input pipeline's evaluation frames it (config.pp.resize with TensorFlow's ops); on
+  this photo, upscaled, the two bilinear resizes agree."""
+  import tensorflow as tf
+  from vit_jax.data import image_ops
+  from vit_jax.data import sources
+  photo = next(path for path in PHOTOS if Image.open(path).size == (32, 32))
+  decoded = tf.cast(sources.decode_image_file(tf.constant(photo)), tf.float32)
+  evaluated = image_ops.central_crop(image_ops.resize_short_side(decoded, 80), 64).numpy()
+  evaluated = evaluated / 127.5 - 1
+  assert np.abs(image_files.load_image(photo, 64, resize=80) - evaluated).mean() < 0.01
+  assert np.abs(image_files.load_image(photo, 64) - evaluated).mean() > 0.1

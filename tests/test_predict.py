@@ -1,6 +1,7 @@
 """Tests of the command-line classifier, vit_jax/tools/predict.py, on the real photos in
 tests/data."""
 import re
+import types
 
 import jax
 import numpy as np
@@ -8,11 +9,14 @@ import pytest
 
 from helpers import PHOTOS
 from helpers import random_params
+from helpers import tiny_config
+from helpers import wide_image
 from vit_jax.checkpoints import npz
 from vit_jax.data import image_files
 from vit_jax.models import registry
 from vit_jax.models import vit
 from vit_jax.tools import predict
+from vit_jax.training import trainer
 
 LABELS = ['ant', 'bee', 'cat', 'dog', 'eel']
 
@@ -105,3 +109,21 @@ def test_checkpoint_errors_are_one_line_and_exit_with_1(files, capsys):
                       capsys.readouterr().err)
   assert run(f'{tmp}/model.npz', '--model', 'testing', '--labels', 'imagenet2012') == 1
   assert 'name 1000 classes but the checkpoint has 5' in capsys.readouterr().err
+
+
+def test_a_run_that_evaluated_with_a_resize_records_it_and_predict_frames_images_so(tmp_path,
+                                                                                   capsys):
+  config = tiny_config(model_name='tiny')
+  config.pp.resize = 40  # Evaluation: the short side to 40 px, then the centre 28 x 28.
+  model = registry.get_model(config.model, num_classes=5)
+  params = random_params(model, 28)
+  trainer.write_model(types.SimpleNamespace(params=params, ema=None, step=0), model, config,
+                      str(tmp_path), LABELS)
+  assert npz.read_spec(tmp_path / 'model.npz')['resize'] == 40
+  image = wide_image(tmp_path / 'wide.png')  # 40 x 80 px, green in its middle 40 columns.
+  assert predict.main(['--checkpoint', str(tmp_path), image]) == 0
+  green = np.broadcast_to(np.float32([-1, 1, -1]), (1, 28, 28, 3))
+  expected = 100 * np.asarray(jax.nn.softmax(model.apply({'params': params}, green,
+                                                        train=False)))[0]
+  printed = parse_output(capsys.readouterr().out)[image]
+  np.testing.assert_allclose([p for p, _, _ in printed], np.sort(expected)[::-1], atol=0.01)

@@ -49,15 +49,30 @@ def _eight_bit(image: Image.Image) -> Image.Image:
   return image
 
 
-def load_image(path: str, image_size: int | tuple[int, int]) -> np.ndarray:
-  """The image at `path` resized to `image_size` (a side, or (height, width)), as (height,
+def _framed(image: Image.Image, height: int, width: int, resize: Optional[int]) -> Image.Image:
+  """`image` resized (bilinear) to height x width; with `resize`, as a run with that
+  config.pp.resize evaluates: its short side resized to `resize`, then the centre cropped."""
+  if not resize:
+    return image.resize((width, height), Image.Resampling.BILINEAR)
+  scale = resize / min(image.size)
+  scaled = image.resize((max(resize, width, round(image.width * scale)),
+                         max(resize, height, round(image.height * scale))),
+                        Image.Resampling.BILINEAR)
+  left, top = (scaled.width - width) // 2, (scaled.height - height) // 2
+  return scaled.crop((left, top, left + width, top + height))
+
+
+def load_image(path: str, image_size: int | tuple[int, int],
+               resize: Optional[int] = None) -> np.ndarray:
+  """The image at `path` at `image_size` (a side, or (height, width)): resized to it, or with
+  `resize` (config.pp.resize) its short side resized to that and the centre taken, as (height,
   width, 3) float32 RGB values in [-1, 1]."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file')
   try:
     with Image.open(path) as image:
       height, width = image_size if isinstance(image_size, (tuple, list)) else (image_size,) * 2
-      image = _eight_bit(image).convert('RGB').resize((width, height), Image.Resampling.BILINEAR)
+      image = _framed(_eight_bit(image).convert('RGB'), height, width, resize)
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise ValueError(f'{path}: cannot decode the image ({e})') from None
   return np.asarray(image, np.float32) / 127.5 - 1

@@ -9,7 +9,9 @@ probabilities: the softmax of the logits, or for a model a run trained with the 
 
 Each image is resized (bilinear) to the model's resolution, the one its training run recorded
 or its position embeddings imply (384 px for a file fine-tuned at 384), and its values are
-scaled to [-1, 1]: the preprocessing of the published checkpoints. At another --image_size
+scaled to [-1, 1]: the preprocessing of the published checkpoints. The model of a run that
+evaluated with config.pp.resize (its short side resized, then the centre cropped), which its
+model.npz records, sees each image framed the same way. At another --image_size
 (384, or HEIGHTxWIDTH such as 224x320, multiples of the patch) the model interpolates its
 position embeddings to that grid as it runs (`VisionTransformer.any_size`, timm's
 dynamic_img_size). The model is the
@@ -61,6 +63,14 @@ def at_size(model, trained_size, image_size):
   if blank.image_hw(image_size) == blank.image_hw(trained_size):
     return model
   return model.any_size(trained_size)
+
+
+def framing(resize: Optional[int], trained_size, image_size) -> Optional[int]:
+  """The short side to resize images to before taking their centre at `image_size`: the run's
+  config.pp.resize (None: none), scaled as `image_size` is to `trained_size`."""
+  if not resize:
+    return None
+  return round(resize * min(blank.image_hw(image_size)) / min(blank.image_hw(trained_size)))
 
 
 def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
@@ -120,6 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, params = runs.load_model(args.checkpoint, args.model)
     trained_size = runs.trained_image_size(args.checkpoint, params, model)
     image_size = args.image_size or trained_size
+    resize = framing(runs.saved_spec_field(args.checkpoint, 'resize'), trained_size, image_size)
     model = at_size(model, trained_size, image_size)
     labels = image_files.load_labels(args.labels, model.num_classes,
                          runs.saved_label_names(args.checkpoint))
@@ -137,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   images, failed = {}, False
   for path in args.images:
     try:
-      images[path] = image_files.load_image(path, image_size)
+      images[path] = image_files.load_image(path, image_size, resize)
     except (ValueError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr)
       failed = True

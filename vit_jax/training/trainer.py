@@ -156,19 +156,21 @@ def write_model_after_failed_save(state: TrainState, model, config, workdir: str
 
 
 def write_model(state: TrainState, model, config: ml_collections.ConfigDict, workdir: str,
-           label_names: list[str]) -> None:
+                label_names: list[str]) -> None:
   """Writes the final params as WORKDIR/model.npz in the published layout, with the model spec,
   the dataset's class names (`label_names`, in label order: what `predict` prints), the
-  (height, width) the model was trained at (`runs.native_image_size` reads it), config.loss
-  (`loss`: how `predict` turns logits into probabilities) and the objective (`tasks.spec_of`:
-  what `runs.load_model` rebuilds); with an EMA, model.npz holds the
+  (height, width) the model was trained at (`runs.native_image_size` reads it), config.pp.resize
+  (`resize`: how `predict` frames an image, as evaluation did), config.loss (`loss`: how
+  `predict` turns logits into probabilities) and the objective (`tasks.spec_of`: what
+  `runs.load_model` rebuilds); with an EMA, model.npz holds the
   EMA and model_raw.npz the params themselves."""
   files = {'model.npz': (state.params, 'params')}
   if state.ema is not None:
     files = {'model.npz': (state.ema, 'EMA of the params'),
              'model_raw.npz': (state.params, 'params')}
   spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
-          'image_size': list(blank.image_hw(config.pp.crop)), 'loss': config.loss,
+          'image_size': list(blank.image_hw(config.pp.crop)), 'resize': config.pp.resize,
+          'loss': config.loss,
           **tasks.spec_of(config)}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
