@@ -7,6 +7,7 @@ What the run says about the data, a dataset of one class, the warning of a run t
 image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
 the class names that `predict` prints.
 """
+import json
 import os
 import re
 
@@ -22,6 +23,7 @@ from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
+from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.tools import predict
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
@@ -118,6 +120,19 @@ def test_predict_prints_the_class_names_of_the_runs_folder(own_run, monkeypatch,
     lines = out.split(f'{image} (28x28 px):\n')[1].splitlines()[:2]
     assert sorted(re.sub(r'^ *[\d.]+% +', '', line) for line in lines) == [
         'Bag (0)', 'Trouser (1)'], out
+
+
+def test_the_fewshot_command_on_the_runs_workdir_evaluates_on_its_own_data(own_run, monkeypatch,
+                                                                          capsys, tmp_path):
+  # In this process: tests/test_commands.py runs the command in a process of its own.
+  cwd, _, _ = own_run
+  monkeypatch.chdir(cwd)
+  results = tmp_path / 'fewshot.json'
+  assert fewshot_command.main(['--checkpoint', 'workdirs/default_my_photos', '--shots', '1,5',
+                               '--seeds', '1', '--out', str(results)]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f'{FOLDER} few-shot linear accuracy over 1 seeds, 10 test images (test):')
+  assert json.loads(results.read_text())['dataset'] == FOLDER
 
 
 def test_a_flat_folder_of_class_folders_trains_and_tests_on_a_tenth_held_out(tmp_path):

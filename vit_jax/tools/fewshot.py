@@ -1,7 +1,10 @@
 """Few-shot linear accuracy of a trained or published model (`linear_probe` has the method).
 
     python -m vit_jax.fewshot --checkpoint WORKDIR_OR_FILE.npz [--model NAME] \\
-        --dataset fashion_mnist_embedded --shots 1,5,10,25 [--out results.json]
+        [--dataset fashion_mnist_embedded] --shots 1,5,10,25 [--out results.json]
+
+Without --dataset it evaluates a training workdir on the run's own dataset (its config.json
+names it), and any other checkpoint on the embedded Fashion-MNIST.
 
 The representation of k training images per class is regressed onto the classes by
 L2-regularised least squares; each seed draws other shots, and a held-out part of the training
@@ -9,6 +12,7 @@ split chooses the L2. It prints the mean accuracy and its spread over the seeds 
 """
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -34,6 +38,15 @@ def dataset_config(args: argparse.Namespace, image_size) -> ml_collections.Confi
   return config
 
 
+def run_dataset(args: argparse.Namespace) -> tuple[str, Optional[str]]:
+  """(dataset, tfds_data_dir) to evaluate on: --dataset and --tfds_data_dir, where given; else
+  those of the training run whose workdir --checkpoint names; else the default run's dataset."""
+  saved = (runs.read_run_config(args.checkpoint) if os.path.isdir(args.checkpoint) else None) or {}
+  dataset = args.dataset or saved.get('dataset') or defaults.training_defaults().dataset
+  given_dataset = args.dataset and args.dataset != saved.get('dataset')
+  return dataset, args.tfds_data_dir or (None if given_dataset else saved.get('tfds_data_dir'))
+
+
 def table(results: dict, shots: Sequence[int]) -> str:
   """One line per k: mean and spread of the accuracy in percent, and the chosen L2s."""
   lines = [f'{"shots":>5}  {"accuracy %":>16}  L2 chosen per seed']
@@ -50,8 +63,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--checkpoint', required=True, help='A .npz checkpoint, a training workdir, '
                       'or a published name (augreg:B/16; python -m vit_jax.checkpoint --list).')
   parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
-  parser.add_argument('--dataset', default=defaults.training_defaults().dataset,
-                      help='fashion_mnist_embedded, an image folder or a tfds name.')
+  parser.add_argument('--dataset', help='fashion_mnist_embedded, an image folder or a tfds name '
+                      "(default: a training workdir's own dataset, else fashion_mnist_embedded).")
   parser.add_argument('--shots', default='1,5,10,25', help='Comma-separated k of k-shot.')
   parser.add_argument('--seeds', type=int, default=5, help='Shot choices averaged over.')
   parser.add_argument('--holdout', type=int, default=linear_probe.HOLDOUT,
@@ -87,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.batch % jax.device_count():
       raise ValueError(f'--batch={args.batch} is not divisible by the {jax.device_count()} '
                        f'devices: make it a multiple of {jax.device_count()}.')
+    args.dataset, args.tfds_data_dir = run_dataset(args)
     model, params = runs.load_model(args.checkpoint, args.model)
     image_size = runs.trained_image_size(args.checkpoint, params, model)
     mesh = linear_probe.default_mesh()
