@@ -1,16 +1,15 @@
 """`--config=configs/scratch_small.py:DIR[,CROP]`: a small ViT from scratch on a small image folder.
 
-DIR holds DIR/train/<class>/* and DIR/test/<class>/* (vit_jax/data/sources.py); CROP is
-the resolution (default 64 px, a multiple of 8). A few thousand to a few hundred thousand images
-train a ViT poorly without strong augmentation and regularisation ("How to train your ViT?",
-Steiner et al., 2021: on less data, more AugReg), so this preset takes the paper's recipe to
-small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr 1e-3, weight decay
-0.05) with warmup and cosine decay over 100 epochs of batch 128 (a smaller power of two for a
-folder of fewer images), Inception crops of 25-100% of the area, flips, RandAugment (2, 10) and
-Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and stochastic depth
-0.1. These are a starting point, not tuned values: the A/B of the default run in
-docs/experiments.md shows what each costs on 28 px Fashion-MNIST.
-"""
+DIR holds DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* (a tenth held out to test;
+vit_jax/data/sources.py); CROP is the resolution (default 64 px, a multiple of 8). A few thousand to
+a few hundred thousand images train a ViT poorly without strong augmentation and regularisation
+("How to train your ViT?", Steiner et al., 2021: on less data, more AugReg), so this preset takes
+the paper's recipe to small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr
+1e-3, weight decay 0.05) with warmup and cosine decay over 100 epochs of batch 128 (a smaller power
+of two for a folder of fewer images), Inception crops of 25-100% of the area, flips, RandAugment (2,
+10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and stochastic
+depth 0.1. These are a starting point, not tuned values: the A/B of the default run in
+docs/experiments.md shows what each costs on 28 px Fashion-MNIST."""
 import math
 import os
 
@@ -32,6 +31,15 @@ def count_images(folder: str) -> int:
              for _, _, names in os.walk(folder) for name in names)
 
 
+def training_images(folder: str) -> int:
+  """The images a run on the image folder `folder` trains on: those of folder/train, or of a
+  folder that holds its class folders itself, all but its held-out test share."""
+  if os.path.isdir(os.path.join(folder, 'train')) or not os.path.isdir(folder):
+    return count_images(os.path.join(folder, 'train'))
+  images = count_images(folder)
+  return sources.flat_train_size(images) if images else 0
+
+
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   folder, _, crop = arg.partition(',')
   if not folder:
@@ -51,7 +59,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                               dropout=0.1)
   config.model.transformer.stochastic_depth = 0.1
 
-  images = count_images(os.path.join(folder, 'train'))
+  images = training_images(folder)
   # A folder of fewer than BATCH images trains on batches of a power of two that it fills, so
   # that its 100 epochs stay 100 passes over each image (or fewer), not 100 batches of BATCH.
   config.batch = min(BATCH, 2 ** int(math.log2(images))) if images else BATCH

@@ -65,6 +65,15 @@ def test_scratch_small_trains_a_folder_of_fewer_images_than_a_batch_100_times_ov
   checks.validate_config(config, 2)
 
 
+def test_scratch_small_counts_the_training_share_of_a_flat_folder(tmp_path):
+  for label in ('a', 'b'):  # DIR/<class>/ with no split folders: 300 images, 30 held out.
+    (tmp_path / label).mkdir()
+    for i in range(150):
+      (tmp_path / label / f'{i}.png').write_bytes(b'')  # Counted, not decoded.
+  config = load(f'configs/scratch_small.py:{tmp_path},32')
+  assert (config.batch, config.total_steps) == (128, 100 * (270 // 128))  # 100 epochs of 2 steps.
+
+
 def test_scratch_small_needs_a_folder():
   with pytest.raises(ValueError, match='give the image folder DIR'):
     load('configs/scratch_small.py')

@@ -68,3 +68,20 @@ def test_with_a_resize_an_image_is_framed_as_evaluation_frames_it():
   evaluated = evaluated / 127.5 - 1
   assert np.abs(image_files.load_image(photo, 64, resize=80) - evaluated).mean() < 0.01
   assert np.abs(image_files.load_image(photo, 64) - evaluated).mean() > 0.1
+
+
+def test_folder_images_take_the_test_split_one_class_after_another_and_no_masks(tmp_path):
+  for path in ('split/train/cat/0.png', 'split/test/cat/0.png', 'split/test/cat/1.png',
+               'split/test/dog/0.jpg', 'split/test/dog/notes.txt', 'flat/cat/0.png',
+               'flat/dog/0.png', 'masked/test/images/0.png', 'masked/test/masks/0.png'):
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_bytes(b'')  # Listed, not decoded.
+  assert image_files.folder_images(str(tmp_path / 'split'), 5) == [
+      str(tmp_path / 'split/test/cat/0.png'), str(tmp_path / 'split/test/dog/0.jpg'),
+      str(tmp_path / 'split/test/cat/1.png')]
+  assert image_files.folder_images(str(tmp_path / 'split'), 1) == [
+      str(tmp_path / 'split/test/cat/0.png')]
+  assert image_files.folder_images(str(tmp_path / 'flat'), 5) == [
+      str(tmp_path / 'flat/cat/0.png'), str(tmp_path / 'flat/dog/0.png')]
+  assert image_files.folder_images(str(tmp_path / 'masked'), 5) == [
+      str(tmp_path / 'masked/test/images/0.png')]

@@ -25,6 +25,7 @@ from vit_jax.config import defaults
 from vit_jax.evaluators import fewshot as fewshot_evaluator
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.tools import predict
+from vit_jax.tools import visualize
 from vit_jax.training import trainer
 from vit_jax.training import workdirs
 import tiny_tfds
@@ -133,6 +134,16 @@ def test_the_fewshot_command_on_the_runs_workdir_evaluates_on_its_own_data(own_r
   out = capsys.readouterr().out
   assert out.startswith(f'{FOLDER} few-shot linear accuracy over 1 seeds, 10 test images (test):')
   assert json.loads(results.read_text())['dataset'] == FOLDER
+
+
+def test_visualize_draws_on_the_runs_own_test_images(own_run, monkeypatch, capsys):
+  cwd, _, _ = own_run
+  monkeypatch.chdir(cwd)
+  assert visualize.run_images('workdirs/default_my_photos', 3) == [
+      f'{FOLDER}/test/Bag/0.png', f'{FOLDER}/test/Trouser/0.png', f'{FOLDER}/test/Bag/1.png']
+  assert visualize.main(['--checkpoint', 'workdirs/default_my_photos', '--figures',
+                         'attention_rollout', '--num_images', '2']) == 0
+  assert capsys.readouterr().out.strip().endswith('attention_rollout.png')
 
 
 def test_a_flat_folder_of_class_folders_trains_and_tests_on_a_tenth_held_out(tmp_path):

@@ -8,6 +8,10 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
+# An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
+# DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids (data/sources.py reads them).
+IMAGES, MASKS = 'images', 'masks'
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
 IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
 
@@ -76,3 +80,20 @@ def load_image(path: str, image_size: int | tuple[int, int],
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise ValueError(f'{path}: cannot decode the image ({e})') from None
   return np.asarray(image, np.float32) / 127.5 - 1
+
+
+def folder_images(folder: str, count: int) -> list[str]:
+  """Up to `count` image files of the image folder `folder` (a config.dataset) to look at: of its
+  test/ split where it has one, else of the folder itself; one class folder after another, each
+  in the order of the file names; a folder labelled per pixel gives its images, not its masks."""
+  root = os.path.join(folder, 'test') if os.path.isdir(os.path.join(folder, 'test')) else folder
+  by_folder = []
+  for path, subfolders, names in os.walk(root):
+    subfolders[:] = sorted(name for name in subfolders if name != MASKS)
+    images = sorted(os.path.join(path, name) for name in names
+                    if name.lower().endswith(IMAGE_EXTENSIONS))
+    if images:
+      by_folder.append(images)
+  in_turn = [paths[i] for i in range(max(map(len, by_folder), default=0))
+             for paths in by_folder if i < len(paths)]
+  return in_turn[:count]

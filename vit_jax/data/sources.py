@@ -24,16 +24,15 @@ from vit_jax.data import embedded
 from vit_jax.data import segmentation
 from vit_jax.data import shards
 from vit_jax.data import tfds_source
+from vit_jax.data.image_files import IMAGE_EXTENSIONS, IMAGES, MASKS
 
 
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
 # DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
 LABELS_CSV = 'labels.csv'
-# An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
-# DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids, MASK_IGNORE where unlabelled;
-# DIR/CLASSES_TXT, where it exists, names the classes, line i class i.
-IMAGES, MASKS, CLASSES_TXT = 'images', 'masks', 'classes.txt'
+# An image folder DIR labelled per pixel (IMAGES and MASKS: image_files): DIR/CLASSES_TXT, where
+# it exists, names the classes, line i class i.
+CLASSES_TXT = 'classes.txt'
 MASK_IGNORE = 255  # config.seg.ignore_label's default.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
 # A folder of class folders with no train/ split, DIR/<class_name>/*.jpg (as torchvision's
@@ -335,9 +334,14 @@ def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndar
         f'test ({FLAT_TEST_FRACTION:.0%} of its images held out), not {split!r}: set '
         'config.train_split / config.test_split accordingly, e.g. train[:50%].')
   paths, labels = _list_images(directory, classes)
-  train = len(paths) - max(1, round(len(paths) * FLAT_TEST_FRACTION))
+  train = flat_train_size(len(paths))
   part = slice(None, train) if split == 'train' else slice(train, None)
   return paths[part], labels[part]
+
+
+def flat_train_size(images: int) -> int:
+  """How many of a flat folder's `images` are its split `train`; the rest are `test`."""
+  return images - max(1, round(images * FLAT_TEST_FRACTION))
 
 
 class FolderSource(shards.ArraySource):

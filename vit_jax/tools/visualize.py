@@ -6,8 +6,9 @@
 
 `--checkpoint` is an `.npz` or a training workdir (its `model.npz` and TensorBoard events). Files
 that vit_jax wrote carry their model's spec; a published `.npz` needs `--model`, its registry
-name. The image size follows from the position embeddings. Without `--images`, the first
-`--num_images` test images of the embedded Fashion-MNIST set are used. Each figure written is
+name. The image size follows from the position embeddings. Without `--images`, the figures
+are drawn on `--num_images` test images of the run's own image folder (a workdir of a run on
+one), else on the first test images of the embedded Fashion-MNIST. Each figure written is
 printed as its path:
 
 - attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
@@ -71,6 +72,15 @@ def load_model(checkpoint_path: str, model_name: Optional[str] = None):
   image size is the one of the position embeddings."""
   model, params = runs.load_model(checkpoint_path, model_name)
   return model, params, runs.native_image_size(params, model)
+
+
+def run_images(checkpoint_path: str, num_images: int) -> list[str]:
+  """Up to `num_images` test images of the image folder that the run in the workdir
+  `checkpoint_path` trained on (`image_files.folder_images`); none for other checkpoints, for runs
+  on other data, and where the folder is not there (relative to the current one)."""
+  config = runs.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
+  folder = os.path.expanduser((config or {}).get('dataset') or '')
+  return image_files.folder_images(folder, num_images) if os.path.isdir(folder) else []
 
 
 def embedded_images(num_images: int, size: int) -> np.ndarray:
@@ -291,7 +301,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       'WORKDIR/figures for a training workdir as --checkpoint.')
   parser.add_argument('--images', nargs='+', default=[], help='Image files to draw attention on.')
   parser.add_argument('--num_images', type=int, default=4,
-                      help='Embedded test images to use when --images is not given.')
+                      help="Test images (of the run's image folder, else embedded) to draw on "
+                      'when --images is not given.')
   parser.add_argument('--figures', nargs='+', choices=FIGURES, default=list(FIGURES),
                       metavar='FIGURE', help=f'Figures to draw, of {", ".join(FIGURES)} '
                       '(default: all that apply).')
@@ -309,12 +320,13 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   figures = {}
   if set(args.figures) - {'training_curves'}:
     model, params, image_size = load_model(args.checkpoint, args.model)
-    if args.images:
-      images = np.stack([image_files.load_image(path, image_size) for path in args.images])
-    elif args.num_images > 0:
-      images = embedded_images(args.num_images, image_size)
-    else:
+    if args.num_images < 1 and not args.images:
       raise ValueError(f'--num_images={args.num_images}: draw on at least 1 image.')
+    paths = args.images or run_images(args.checkpoint, args.num_images)
+    if paths:
+      images = np.stack([image_files.load_image(path, image_size) for path in paths])
+    else:
+      images = embedded_images(args.num_images, image_size)
     figures.update(model_figures(model, params, image_size, images, name, args.figures,
                                  trained_on_grey(args.checkpoint)))
   if 'training_curves' in args.figures and os.path.isdir(args.checkpoint):
