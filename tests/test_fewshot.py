@@ -136,6 +136,28 @@ def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdi
   assert results['5']['mean'] > 0.3 and results['5']['mean'] > results['1']['mean']
 
 
+def test_command_frames_the_images_as_the_models_run_evaluated_them(tmp_path, capsys):
+  """A model.npz of a run with config.pp.resize=40 at 28 px: the 28 px centre of each image
+  resized to 40 px, unless --resize says otherwise."""
+  model = registry.get_model(ml_collections.ConfigDict(TINY_MODEL), num_classes=10)
+  params = model.init(jax.random.key(0), np.zeros((1, 28, 28, 3)), train=False)['params']
+  spec = {**registry.model_spec(model, 'tiny'), 'image_size': [28, 28], 'resize': 40}
+  npz.save(params, str(tmp_path / 'model.npz'), spec=spec)
+
+  def accuracies(*resize):
+    out = tmp_path / f'fewshot{"".join(resize)}.json'
+    assert fewshot_command.main(['--checkpoint', str(tmp_path / 'model.npz'), '--shots', '5',
+                                 '--seeds', '1', '--holdout', '3', '--train_split', 'train[:300]',
+                                 '--test_split', 'test[:200]', '--batch', '100', '--out',
+                                 str(out), *resize]) == 0
+    return json.loads(out.read_text())['5']['accuracy']
+
+  framed = accuracies()
+  assert framed == accuracies('--resize', '40')
+  assert framed != accuracies('--resize', '28')  # 28 px images as they are.
+  capsys.readouterr()
+
+
 def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
   assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 1
   assert "--shots='5,x': give positive integers" in capsys.readouterr().err

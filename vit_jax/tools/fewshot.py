@@ -4,7 +4,9 @@
         [--dataset fashion_mnist_embedded] --shots 1,5,10,25 [--out results.json]
 
 Without --dataset it evaluates a training workdir on the run's own dataset (its config.json
-names it), and any other checkpoint on the embedded Fashion-MNIST.
+names it), and any other checkpoint on the embedded Fashion-MNIST; images are framed as the run
+that made the model evaluated them (its config.pp.resize, which model.npz records), unless
+--resize says otherwise.
 
 The representation of k training images per class is regressed onto the classes by
 L2-regularised least squares; each seed draws other shots, and a held-out part of the training
@@ -72,8 +74,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--train_split', default='train')
   parser.add_argument('--test_split', default='test')
   parser.add_argument('--resize', type=int,
-                      help='Resize the short side to this, then crop the centre (default: '
-                      "resize straight to the model's image size).")
+                      help='Resize the short side to this, then crop the centre (default: the '
+                      "config.pp.resize of the run whose model it is, which its model.npz "
+                      "records; else resize straight to the model's image size).")
   parser.add_argument('--batch', type=int, default=256,
                       help='Images per feature batch, a multiple of the device count.')
   parser.add_argument('--tfds_data_dir', help='Where tfds datasets are prepared.')
@@ -103,6 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.dataset, args.tfds_data_dir = run_dataset(args)
     model, params = runs.load_model(args.checkpoint, args.model)
     image_size = runs.trained_image_size(args.checkpoint, params, model)
+    args.resize = args.resize or runs.saved_spec_field(args.checkpoint, 'resize')
     mesh = linear_probe.default_mesh()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     results = linear_probe.evaluate(model, params, dataset_config(args, image_size), shots,
