@@ -28,6 +28,8 @@ from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
 from vit_jax.evaluators import linear_probe
 
+DEFAULT_SHOTS = '1,5,10,25'
+
 
 def dataset_config(args: argparse.Namespace, image_size) -> ml_collections.ConfigDict:
   """The training defaults (the data source reads several) with the dataset, splits and
@@ -49,6 +51,21 @@ def run_dataset(args: argparse.Namespace) -> tuple[str, Optional[str]]:
   return dataset, args.tfds_data_dir or (None if given_dataset else saved.get('tfds_data_dir'))
 
 
+def shots_that_fit(config: ml_collections.ConfigDict, holdout: int) -> list[int]:
+  """The k of DEFAULT_SHOTS for which each class of config.train_split has k shots and `holdout`
+  further images, with a line on stderr for the others; a ValueError where none fit."""
+  smallest = int(linear_probe.class_sizes(config, config.train_split).min())
+  shots = [k for k in parse_shots(DEFAULT_SHOTS) if k + holdout <= smallest]
+  if skipped := [k for k in parse_shots(DEFAULT_SHOTS) if k not in shots]:
+    print(f'Skipping {"/".join(map(str, skipped))}-shot: k-shot needs k + {holdout} images of '
+          f'each class in {config.train_split!r} (k shots, {holdout} held out to choose the L2), '
+          f'and its smallest class has {smallest}.', file=sys.stderr)
+  if not shots:
+    raise ValueError(f'{config.dataset} has too few training images of a class ({smallest}) for '
+                     f'1-shot with --holdout={holdout}: give a smaller --holdout.')
+  return shots
+
+
 def table(results: dict, shots: Sequence[int]) -> str:
   """One line per k: mean and spread of the accuracy in percent, and the chosen L2s."""
   lines = [f'{"shots":>5}  {"accuracy %":>16}  L2 chosen per seed']
@@ -67,7 +84,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--model', help='Registry model name; required with an .npz checkpoint.')
   parser.add_argument('--dataset', help='fashion_mnist_embedded, an image folder or a tfds name '
                       "(default: a training workdir's own dataset, else fashion_mnist_embedded).")
-  parser.add_argument('--shots', default='1,5,10,25', help='Comma-separated k of k-shot.')
+  parser.add_argument('--shots', help=f'Comma-separated k of k-shot (default: those of '
+                      f'{DEFAULT_SHOTS} for which each class has enough training images).')
   parser.add_argument('--seeds', type=int, default=5, help='Shot choices averaged over.')
   parser.add_argument('--holdout', type=int, default=linear_probe.HOLDOUT,
                       help='Training images per class, not among the shots, that choose the L2.')
@@ -99,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   try:
-    shots = parse_shots(args.shots)
+    shots = parse_shots(args.shots) if args.shots else None
     if args.batch % jax.device_count():
       raise ValueError(f'--batch={args.batch} is not divisible by the {jax.device_count()} '
                        f'devices: make it a multiple of {jax.device_count()}.')
@@ -109,8 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.resize = args.resize or runs.saved_spec_field(args.checkpoint, 'resize')
     mesh = linear_probe.default_mesh()
     params = jax.device_put(params, NamedSharding(mesh, P()))
-    results = linear_probe.evaluate(model, params, dataset_config(args, image_size), shots,
-                       range(args.seeds), args.holdout, mesh)
+    config = dataset_config(args, image_size)
+    shots = shots or shots_that_fit(config, args.holdout)
+    results = linear_probe.evaluate(model, params, config, shots, range(args.seeds), args.holdout,
+                                    mesh)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
