@@ -1,7 +1,7 @@
 """Few-shot linear accuracy of a trained or published model (`linear_probe` has the method).
 
     python -m vit_jax.fewshot --checkpoint WORKDIR_OR_FILE.npz [--model NAME] \\
-        [--dataset fashion_mnist_embedded] --shots 1,5,10,25 [--out results.json]
+        [--dataset fashion_mnist_embedded] [--shots 1,5,10,25] [--out results.json]
 
 Without --dataset it evaluates a training workdir on the run's own dataset (its config.json
 names it), and any other checkpoint on the embedded Fashion-MNIST; images are framed as the run
@@ -47,8 +47,8 @@ def run_dataset(args: argparse.Namespace) -> tuple[str, Optional[str]]:
   those of the training run whose workdir --checkpoint names; else the default run's dataset."""
   saved = (runs.read_run_config(args.checkpoint) if os.path.isdir(args.checkpoint) else None) or {}
   dataset = args.dataset or saved.get('dataset') or defaults.training_defaults().dataset
-  given_dataset = args.dataset and args.dataset != saved.get('dataset')
-  return dataset, args.tfds_data_dir or (None if given_dataset else saved.get('tfds_data_dir'))
+  another = args.dataset and args.dataset != saved.get('dataset')
+  return dataset, args.tfds_data_dir or (None if another else saved.get('tfds_data_dir'))
 
 
 def shots_that_fit(config: ml_collections.ConfigDict, holdout: int) -> list[int]:
