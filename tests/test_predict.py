@@ -127,3 +127,11 @@ def test_a_run_that_evaluated_with_a_resize_records_it_and_predict_frames_images
                                                         train=False)))[0]
   printed = parse_output(capsys.readouterr().out)[image]
   np.testing.assert_allclose([p for p, _, _ in printed], np.sort(expected)[::-1], atol=0.01)
+  # At 56 px the framing scales with the size: the short side to 80 px, then the centre, green.
+  assert predict.main(['--checkpoint', str(tmp_path), '--image_size', '56', image]) == 0
+  wide = predict.at_size(model, 28, 56)
+  expected = 100 * np.asarray(jax.nn.softmax(wide.apply(
+      {'params': params}, np.broadcast_to(np.float32([-1, 1, -1]), (1, 56, 56, 3)),
+      train=False)))[0]
+  printed = parse_output(capsys.readouterr().out)[image]
+  np.testing.assert_allclose([p for p, _, _ in printed], np.sort(expected)[::-1], atol=0.01)

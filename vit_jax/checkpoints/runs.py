@@ -16,6 +16,7 @@ import numpy as np
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
+from vit_jax.models import blank
 from vit_jax.models import positions
 from vit_jax.models import registry
 from vit_jax import tasks
@@ -180,6 +181,18 @@ def saved_loss(path_or_workdir) -> str:
   'sigmoid_xent' or 'softmax_xent'; tasks.supervised.DEFAULT_LOSS for files without it (the
   published ImageNet-1k files, and files of versions that did not save it)."""
   return saved_spec_field(path_or_workdir, 'loss') or supervised.DEFAULT_LOSS
+
+
+def saved_framing(path_or_workdir, trained_size: ImageSize,
+                  image_size: ImageSize) -> Optional[int]:
+  """The short side to resize an image to before taking its centre at `image_size`, as the run
+  that made the model at `path_or_workdir` evaluated at `trained_size`: its config.pp.resize
+  (model.npz records it), scaled as `image_size` is to `trained_size`; None to resize the whole
+  image (runs without a resize, and other files)."""
+  resize = saved_spec_field(path_or_workdir, 'resize')
+  if not resize:
+    return None
+  return round(resize * min(blank.image_hw(image_size)) / min(blank.image_hw(trained_size)))
 
 
 def saved_spec_field(path_or_workdir, field: str):

@@ -65,14 +65,6 @@ def at_size(model, trained_size, image_size):
   return model.any_size(trained_size)
 
 
-def framing(resize: Optional[int], trained_size, image_size) -> Optional[int]:
-  """The short side to resize images to before taking their centre at `image_size`: the run's
-  config.pp.resize (None: none), scaled as `image_size` is to `trained_size`."""
-  if not resize:
-    return None
-  return round(resize * min(blank.image_hw(image_size)) / min(blank.image_hw(trained_size)))
-
-
 def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
   """Lines '  42.15%  name (index)' of the k most probable classes, most probable first."""
   order = np.argsort(-probabilities)[:k]
@@ -130,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, params = runs.load_model(args.checkpoint, args.model)
     trained_size = runs.trained_image_size(args.checkpoint, params, model)
     image_size = args.image_size or trained_size
-    resize = framing(runs.saved_spec_field(args.checkpoint, 'resize'), trained_size, image_size)
+    resize = runs.saved_framing(args.checkpoint, trained_size, image_size)
     model = at_size(model, trained_size, image_size)
     labels = image_files.load_labels(args.labels, model.num_classes,
                          runs.saved_label_names(args.checkpoint))

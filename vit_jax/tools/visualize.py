@@ -8,7 +8,8 @@
 that vit_jax wrote carry their model's spec; a published `.npz` needs `--model`, its registry
 name. The image size follows from the position embeddings. Without `--images`, the figures
 are drawn on `--num_images` test images of the run's own image folder (a workdir of a run on
-one), else on the first test images of the embedded Fashion-MNIST. Each figure written is
+one), else on the first test images of the embedded Fashion-MNIST; image files are framed as
+`predict` frames them. Each figure written is
 printed as its path:
 
 - attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
@@ -324,7 +325,8 @@ def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
       raise ValueError(f'--num_images={args.num_images}: draw on at least 1 image.')
     paths = args.images or run_images(args.checkpoint, args.num_images)
     if paths:
-      images = np.stack([image_files.load_image(path, image_size) for path in paths])
+      resize = runs.saved_framing(args.checkpoint, image_size, image_size)
+      images = np.stack([image_files.load_image(path, image_size, resize) for path in paths])
     else:
       images = embedded_images(args.num_images, image_size)
     figures.update(model_figures(model, params, image_size, images, name, args.figures,
