@@ -4,8 +4,9 @@ JAX picks for itself (forked from one that has imported the libraries: tests/pre
 twice, then `vit_jax.predict` on its model.
 
 What the run says about the data, a dataset of one class, the warning of a run that sees each
-image too often, the few-shot evaluation on the run's own data, top-5, the default workdir and
-the class names that `predict` prints.
+image too often, the few-shot evaluation on the run's own data, top-5, the default workdir, the
+class names that `predict` prints, the `fewshot` and `visualize` commands on the run's own data,
+and a folder of class folders with no split folders.
 """
 import json
 import os
