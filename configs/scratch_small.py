@@ -34,10 +34,9 @@ def count_images(folder: str) -> int:
 def training_images(folder: str) -> int:
   """The images a run on the image folder `folder` trains on: those of folder/train, or of a
   folder that holds its class folders itself, all but its held-out test share."""
-  if os.path.isdir(os.path.join(folder, 'train')) or not os.path.isdir(folder):
+  if not (os.path.isdir(folder) and sources.is_flat_folder(folder)):
     return count_images(os.path.join(folder, 'train'))
-  images = count_images(folder)
-  return sources.flat_train_size(images) if images else 0
+  return sources.flat_train_size(count_images(folder))
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:

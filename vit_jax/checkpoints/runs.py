@@ -117,11 +117,17 @@ def unfinished_run(workdir) -> Optional[str]:
           'try again.')
 
 
+def saved_run_config(path_or_workdir) -> dict:
+  """The config.json of the training run whose workdir is `path_or_workdir`; {} for a file, or
+  a folder without one."""
+  return (read_run_config(path_or_workdir) if os.path.isdir(path_or_workdir) else None) or {}
+
+
 def _recorded_model_config(path_or_workdir) -> Optional[ml_collections.ConfigDict]:
   """`config.model` of the run whose workdir is `path_or_workdir`, from its config.json (runs
   of versions that saved no model spec); None for a file, or a folder without config.json."""
-  config = read_run_config(path_or_workdir) if os.path.isdir(path_or_workdir) else None
-  return None if config is None else ml_collections.ConfigDict(config['model'])
+  config = saved_run_config(path_or_workdir)
+  return ml_collections.ConfigDict(config['model']) if config else None
 
 
 def load_model(path_or_workdir, model_name: Optional[str] = None, **overrides):

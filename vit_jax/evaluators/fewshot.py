@@ -73,14 +73,10 @@ def plan(name: str, entry: ml_collections.ConfigDict,
       logging.warning('Few-shot evaluation skips %s: it has %d class, and a classifier needs 2 '
                       'or more.', dataset, len(sizes))
       continue
-    smallest = int(sizes.min())
-    shots = tuple(k for k in entry.shots if k + solver.HOLDOUT <= smallest)
-    if skipped := [k for k in entry.shots if k not in shots]:
-      logging.warning(
-          'Few-shot evaluation on %s skips %s-shot: k-shot needs k + %d images of each class in '
-          '%r (k shots, %d held out to choose the L2), and its smallest class has %d.', dataset,
-          '/'.join(map(str, skipped)), solver.HOLDOUT, data.train_split, solver.HOLDOUT,
-          smallest)
+    shots, why_not = solver.shots_that_fit(entry.shots, int(sizes.min()), solver.HOLDOUT,
+                                           data.train_split)
+    if why_not:
+      logging.warning('Few-shot evaluation on %s skips %s', dataset, why_not)
     if shots:
       shots_of[dataset] = shots
   return shots_of

@@ -204,6 +204,19 @@ def probe(shots: tuple[np.ndarray, np.ndarray], holdout: tuple[np.ndarray, np.nd
 # Choosing shots.
 
 
+def shots_that_fit(shots, smallest: int, holdout: int,
+                   split: str) -> tuple[tuple[int, ...], Optional[str]]:
+  """(the k of `shots` for which a smallest class of `smallest` images in `split` has k shots
+  and `holdout` further images, why the others cannot run or None)."""
+  fit = tuple(k for k in shots if k + holdout <= smallest)
+  skipped = [k for k in shots if k not in fit]
+  if not skipped:
+    return fit, None
+  return fit, (f'{"/".join(map(str, skipped))}-shot: k-shot needs k + {holdout} images of each '
+               f'class in {split!r} (k shots, {holdout} held out to choose the L2), and its '
+               f'smallest class has {smallest}.')
+
+
 def choose_shots(labels: np.ndarray, num_classes: int, shots: int, holdout: int,
                  seed: int) -> tuple[np.ndarray, np.ndarray]:
   """Positions in `labels` of `shots` and of `holdout` further images of each class.

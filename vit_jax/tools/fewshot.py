@@ -14,7 +14,6 @@ split chooses the L2. It prints the mean accuracy and its spread over the seeds 
 """
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -45,25 +44,24 @@ def dataset_config(args: argparse.Namespace, image_size) -> ml_collections.Confi
 def run_dataset(args: argparse.Namespace) -> tuple[str, Optional[str]]:
   """(dataset, tfds_data_dir) to evaluate on: --dataset and --tfds_data_dir, where given; else
   those of the training run whose workdir --checkpoint names; else the default run's dataset."""
-  saved = (runs.read_run_config(args.checkpoint) if os.path.isdir(args.checkpoint) else None) or {}
+  saved = runs.saved_run_config(args.checkpoint)
   dataset = args.dataset or saved.get('dataset') or defaults.training_defaults().dataset
   another = args.dataset and args.dataset != saved.get('dataset')
   return dataset, args.tfds_data_dir or (None if another else saved.get('tfds_data_dir'))
 
 
-def shots_that_fit(config: ml_collections.ConfigDict, holdout: int) -> list[int]:
+def default_shots(config: ml_collections.ConfigDict, holdout: int) -> list[int]:
   """The k of DEFAULT_SHOTS for which each class of config.train_split has k shots and `holdout`
   further images, with a line on stderr for the others; a ValueError where none fit."""
   smallest = int(linear_probe.class_sizes(config, config.train_split).min())
-  shots = [k for k in parse_shots(DEFAULT_SHOTS) if k + holdout <= smallest]
-  if skipped := [k for k in parse_shots(DEFAULT_SHOTS) if k not in shots]:
-    print(f'Skipping {"/".join(map(str, skipped))}-shot: k-shot needs k + {holdout} images of '
-          f'each class in {config.train_split!r} (k shots, {holdout} held out to choose the L2), '
-          f'and its smallest class has {smallest}.', file=sys.stderr)
+  shots, why_not = linear_probe.shots_that_fit(parse_shots(DEFAULT_SHOTS), smallest, holdout,
+                                               config.train_split)
+  if why_not:
+    print(f'Skipping {why_not}', file=sys.stderr)
   if not shots:
     raise ValueError(f'{config.dataset} has too few training images of a class ({smallest}) for '
                      f'1-shot with --holdout={holdout}: give a smaller --holdout.')
-  return shots
+  return list(shots)
 
 
 def table(results: dict, shots: Sequence[int]) -> str:
@@ -128,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mesh = linear_probe.default_mesh()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     config = dataset_config(args, image_size)
-    shots = shots or shots_that_fit(config, args.holdout)
+    shots = shots or default_shots(config, args.holdout)
     results = linear_probe.evaluate(model, params, config, shots, range(args.seeds), args.holdout,
                                     mesh)
   except (ValueError, FileNotFoundError) as e:

@@ -63,8 +63,7 @@ CURVE_PANELS = (('Loss', ('train_loss', 'test_loss')), ('Accuracy', ('test_accur
 
 def trained_on_grey(checkpoint_path: str) -> bool:
   """Whether `checkpoint_path` is a workdir of a run on the grey embedded Fashion-MNIST."""
-  config = runs.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
-  return (config or {}).get('dataset') == embedded.DATASET
+  return runs.saved_run_config(checkpoint_path).get('dataset') == embedded.DATASET
 
 
 def load_model(checkpoint_path: str, model_name: Optional[str] = None):
@@ -79,8 +78,7 @@ def run_images(checkpoint_path: str, num_images: int) -> list[str]:
   """Up to `num_images` test images of the image folder that the run in the workdir
   `checkpoint_path` trained on (`image_files.folder_images`); none for other checkpoints, for runs
   on other data, and where the folder is not there (relative to the current one)."""
-  config = runs.read_run_config(checkpoint_path) if os.path.isdir(checkpoint_path) else None
-  folder = os.path.expanduser((config or {}).get('dataset') or '')
+  folder = os.path.expanduser(runs.saved_run_config(checkpoint_path).get('dataset') or '')
   return image_files.folder_images(folder, num_images) if os.path.isdir(folder) else []
 
 
