@@ -1,22 +1,23 @@
 """`--config=configs/scratch_small.py:DIR[,CROP]`: a small ViT from scratch on a small image folder.
 
-DIR holds DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* (a tenth held out to test;
-vit_jax/data/sources.py); CROP is the resolution (default 64 px, a multiple of 8). A few thousand to
-a few hundred thousand images train a ViT poorly without strong augmentation and regularisation
-("How to train your ViT?", Steiner et al., 2021: on less data, more AugReg), so this preset takes
-the paper's recipe to small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches, AdamW (lr
-1e-3, weight decay 0.05) with warmup and cosine decay over 100 epochs of batch 128 (a smaller power
-of two for a folder of fewer images), Inception crops of 25-100% of the area, flips, RandAugment (2,
-10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and stochastic
-depth 0.1. These are a starting point, not tuned values: the A/B of the default run in
-docs/experiments.md shows what each costs on 28 px Fashion-MNIST."""
+DIR holds DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* (a tenth of each class held
+out to test; vit_jax/data/folders.py); CROP is the resolution (default 64 px, a multiple of 8). A
+few thousand to a few hundred thousand images train a ViT poorly without strong augmentation and
+regularisation ("How to train your ViT?", Steiner et al., 2021: on less data, more AugReg), so this
+preset takes the paper's recipe to small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8
+patches, AdamW (lr 1e-3, weight decay 0.05) with warmup and cosine decay over 100 epochs of batch
+128 (a smaller power of two for a folder of fewer images), Inception crops of 25-100% of the area,
+flips, RandAugment (2, 10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout
+0.1 and stochastic depth 0.1. These are a starting point, not tuned values: the A/B of the default
+run in docs/experiments.md shows what each costs on 28 px Fashion-MNIST."""
 import math
 import os
 
 import ml_collections
 
 from vit_jax.config import defaults
-from vit_jax.data import sources
+from vit_jax.data import folders
+from vit_jax.data import image_files
 from vit_jax.models import registry
 
 EPOCHS = 100
@@ -27,16 +28,17 @@ STEPS_WITHOUT_FOLDER = 10_000  # When DIR/train cannot be counted (yet).
 
 def count_images(folder: str) -> int:
   """Files with an image extension under `folder` (0 if it does not exist)."""
-  return sum(name.lower().endswith(sources.IMAGE_EXTENSIONS)
+  return sum(name.lower().endswith(image_files.IMAGE_EXTENSIONS)
              for _, _, names in os.walk(folder) for name in names)
 
 
 def training_images(folder: str) -> int:
   """The images a run on the image folder `folder` trains on: those of folder/train, or of a
   folder that holds its class folders itself, all but its held-out test share."""
-  if not (os.path.isdir(folder) and sources.is_flat_folder(folder)):
+  if not (os.path.isdir(folder) and folders.is_flat_folder(folder)):
     return count_images(os.path.join(folder, 'train'))
-  return sources.flat_train_size(count_images(folder))
+  return folders.flat_train_size([count_images(entry.path) for entry in os.scandir(folder)
+                                  if entry.is_dir()])
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:

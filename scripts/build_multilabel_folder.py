@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import console
-# vit_jax.data.sources (it imports TensorFlow) is imported where it is used: after the console
+# vit_jax.data.folders (it imports TensorFlow) is imported where it is used: after the console
 # has quieted TensorFlow's start-up lines.
 
 SCENES = {'train': 5000, 'test': 1000}  # Scenes per split; each takes 2 images on average.
@@ -47,7 +47,7 @@ def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> s
   """Writes `counts[split]` scenes as root/<split>/<i>.png and their classes into
   root/labels.csv; returns `root`."""
   from vit_jax.data import embedded
-  from vit_jax.data import sources
+  from vit_jax.data import folders
   rows = ['file,labels']
   with np.load(embedded.PATH) as data:
     names = [str(name).replace(' ', '_') for name in data['label_names']]
@@ -58,7 +58,7 @@ def write_folder(root: str, counts: dict[str, int] = SCENES, seed: int = 0) -> s
         Image.fromarray(scene).save(os.path.join(root, split, f'{i}.png'))
         classes = sorted({names[labels[j]] for j in shown})
         rows.append(f'{split}/{i}.png,{" ".join(classes)}')
-  with open(os.path.join(root, sources.LABELS_CSV), 'w') as f:
+  with open(os.path.join(root, folders.LABELS_CSV), 'w') as f:
     f.write('\n'.join(rows) + '\n')
   return root
 

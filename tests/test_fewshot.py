@@ -15,6 +15,7 @@ from vit_jax.checkpoints import npz
 from vit_jax.evaluators import linear_probe
 from vit_jax.tools import fewshot as fewshot_command
 from vit_jax.models import registry
+from helpers import write_image_folder
 from helpers import xla_flags
 
 pytestmark = pytest.mark.xdist_group('fewshot')  # Its module fixtures are built once.
@@ -162,6 +163,16 @@ def test_bad_shots_are_a_clear_error(tiny_workdir, capsys):
   assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--shots', '5,x']) == 1
   assert "--shots='5,x': give positive integers" in capsys.readouterr().err
 
+
+
+def test_shots_a_class_is_too_small_for_name_the_class(tiny_workdir, tmp_path, capsys):
+  folder = write_image_folder(tmp_path, {'train': 8, 'test': 2})  # Bag and Trouser.
+  for i in range(4, 8):
+    os.remove(os.path.join(folder, 'train', 'Trouser', f'{i}.png'))
+  assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--dataset', folder,
+                               '--shots', '3', '--holdout', '2', '--batch', '4']) == 1
+  assert "error: Classes ['Trouser'] have fewer than 3 shots + 2 held-out images" in (
+      capsys.readouterr().err)
 
 # 100 batches of features already on 2 CPU devices, fitted 3 times: queued unpaced, their
 # all-reduces aborted XLA:CPU in every try (a thread at the all-reduce, the other waiting for an

@@ -155,6 +155,19 @@ def test_a_flat_folder_of_class_folders_holds_out_a_tenth_of_its_images_to_test(
     source.select('val')
 
 
+def test_a_flat_folder_holds_out_a_tenth_of_each_class_and_one_image_of_a_small_class(tmp_path):
+  flat = os.path.join(write_image_folder(tmp_path, {'train': 20}), 'train')
+  for i in range(3, 20):  # 20 bags, 3 trousers, and a class of a single image.
+    os.remove(os.path.join(flat, 'Trouser', f'{i}.png'))
+  os.makedirs(os.path.join(flat, 'Single'))
+  shutil.copy(os.path.join(flat, 'Bag', '0.png'), os.path.join(flat, 'Single', '0.png'))
+  source = sources.get_source(make_config(dataset=flat))
+  assert source.label_names == ['Bag', 'Single', 'Trouser']
+  # Each class of two images or more is tested; the single image trains.
+  assert np.bincount(source.select('test')[1], minlength=3).tolist() == [2, 0, 1]
+  assert np.bincount(source.select('train')[1], minlength=3).tolist() == [18, 1, 2]
+
+
 def test_randaugment_runs_on_the_images_of_every_source(config_factory):
   # Its ops need the channel count in the static shape, which decoding files left unknown.
   batch = next(ip.train_batches(config_factory(pp=dict(crop=16, randaug=(2, 10)))))

@@ -157,7 +157,7 @@ def test_a_flat_folder_of_class_folders_trains_and_tests_on_a_tenth_held_out(tmp
   status, log = run(['vit_jax.main', '--config.dataset=flat', '--config.total_steps=2',
                      '--config.batch=8', '--config.batch_eval=8'], tmp_path)
   assert status == 0, log
-  assert ('flat has no train/ and test/ folders: 10% of the images of its class folders are '
+  assert ('flat has no train/ and test/ folders: 10% of the images of each class folder are '
           'held out as its test split') in log
   assert ('Dataset flat: 36 train images (train), 4 test images (test), 2 classes (Bag, '
           'Trouser).') in log

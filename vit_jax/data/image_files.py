@@ -10,7 +10,7 @@ from PIL import Image
 
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 # An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
-# DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids (data/sources.py reads them).
+# DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids (data/folders.py reads them).
 IMAGES, MASKS = 'images', 'masks'
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
 IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')

@@ -217,19 +217,21 @@ def shots_that_fit(shots, smallest: int, holdout: int,
                f'smallest class has {smallest}.')
 
 
-def choose_shots(labels: np.ndarray, num_classes: int, shots: int, holdout: int,
-                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+def choose_shots(labels: np.ndarray, num_classes: int, shots: int, holdout: int, seed: int,
+                 label_names: Optional[Sequence[str]] = None) -> tuple[np.ndarray, np.ndarray]:
   """Positions in `labels` of `shots` and of `holdout` further images of each class.
 
   Each class's positions are drawn in an order fixed by (seed, class); the first `shots` are the
   shots (so the first k of them are the k-shot choice), the next `holdout` the held-out images.
+  A ValueError names the classes (by `label_names`, else by index) that have too few images.
 
   Returns:
     int (num_classes, shots) and int (num_classes, holdout), disjoint.
   """
   counts = np.bincount(labels, minlength=num_classes)
   if counts.min() < shots + holdout:
-    short = [c for c in range(num_classes) if counts[c] < shots + holdout]
+    short = [label_names[c] if label_names else c for c in range(num_classes)
+             if counts[c] < shots + holdout]
     raise ValueError(
         f'Classes {short[:10]} have fewer than {shots} shots + {holdout} held-out images in the '
         f'training split (smallest: {counts.min()}): use fewer shots, a smaller --holdout, or a '
@@ -374,8 +376,10 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
   check_model(model)
   mesh = mesh or default_mesh()
   labels = split_labels(config, config.train_split)
-  num_classes = len(sources.get_source(config).label_names)
-  draws = [choose_shots(labels, num_classes, max(shots), holdout, seed) for seed in seeds]
+  label_names = sources.get_source(config).label_names
+  num_classes = len(label_names)
+  draws = [choose_shots(labels, num_classes, max(shots), holdout, seed, label_names)
+           for seed in seeds]
 
   start = time.perf_counter()
   pacer = hardware.Pacer()
