@@ -27,9 +27,14 @@ STEPS_WITHOUT_FOLDER = 10_000  # When DIR/train cannot be counted (yet).
 
 
 def count_images(folder: str) -> int:
-  """Files with an image extension under `folder` (0 if it does not exist)."""
-  return sum(name.lower().endswith(image_files.IMAGE_EXTENSIONS)
-             for _, _, names in os.walk(folder) for name in names)
+  """Files with an image extension under `folder`, hidden ones left out (0 if it does not
+  exist)."""
+  count = 0
+  for _, subfolders, names in os.walk(folder):
+    subfolders[:] = image_files.visible(subfolders)
+    count += sum(name.lower().endswith(image_files.IMAGE_EXTENSIONS)
+                 for name in image_files.visible(names))
+  return count
 
 
 def training_images(folder: str) -> int:
@@ -37,8 +42,8 @@ def training_images(folder: str) -> int:
   folder that holds its class folders itself, all but its held-out test share."""
   if not (os.path.isdir(folder) and folders.is_flat_folder(folder)):
     return count_images(os.path.join(folder, 'train'))
-  return folders.flat_train_size([count_images(entry.path) for entry in os.scandir(folder)
-                                  if entry.is_dir()])
+  classes = image_files.visible(entry.name for entry in os.scandir(folder) if entry.is_dir())
+  return folders.flat_train_size([count_images(os.path.join(folder, name)) for name in classes])
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:

@@ -70,6 +70,8 @@ def test_scratch_small_counts_the_training_share_of_a_flat_folder(tmp_path):
     (tmp_path / label).mkdir()
     for i in range(150):
       (tmp_path / label / f'{i}.png').write_bytes(b'')  # Counted, not decoded.
+    (tmp_path / label / '._0.png').write_bytes(b'')  # Hidden: macOS's metadata of 0.png.
+  (tmp_path / '.ipynb_checkpoints').mkdir()
   config = load(f'configs/scratch_small.py:{tmp_path},32')
   assert (config.batch, config.total_steps) == (128, 100 * (270 // 128))  # 100 epochs of 2 steps.
 

@@ -73,7 +73,8 @@ def test_with_a_resize_an_image_is_framed_as_evaluation_frames_it():
 def test_folder_images_take_the_test_split_one_class_after_another_and_no_masks(tmp_path):
   for path in ('split/train/cat/0.png', 'split/test/cat/0.png', 'split/test/cat/1.png',
                'split/test/dog/0.jpg', 'split/test/dog/notes.txt', 'flat/cat/0.png',
-               'flat/dog/0.png', 'masked/test/images/0.png', 'masked/test/masks/0.png'):
+               'flat/dog/0.png', 'flat/dog/._1.png', 'flat/.ipynb_checkpoints/a.png',
+               'masked/test/images/0.png', 'masked/test/masks/0.png'):
     (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / path).write_bytes(b'')  # Listed, not decoded.
   assert image_files.folder_images(str(tmp_path / 'split'), 5) == [
@@ -81,7 +82,7 @@ def test_folder_images_take_the_test_split_one_class_after_another_and_no_masks(
       str(tmp_path / 'split/test/cat/1.png')]
   assert image_files.folder_images(str(tmp_path / 'split'), 1) == [
       str(tmp_path / 'split/test/cat/0.png')]
-  assert image_files.folder_images(str(tmp_path / 'flat'), 5) == [
+  assert image_files.folder_images(str(tmp_path / 'flat'), 5) == [  # No hidden file or folder.
       str(tmp_path / 'flat/cat/0.png'), str(tmp_path / 'flat/dog/0.png')]
   assert image_files.folder_images(str(tmp_path / 'masked'), 5) == [
       str(tmp_path / 'masked/test/images/0.png')]

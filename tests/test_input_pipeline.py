@@ -168,6 +168,29 @@ def test_a_flat_folder_holds_out_a_tenth_of_each_class_and_one_image_of_a_small_
   assert np.bincount(source.select('train')[1], minlength=3).tolist() == [18, 1, 2]
 
 
+# What a notebook or a Mac leaves in a folder: Jupyter's checkpoints, Finder's .DS_Store, and an
+# AppleDouble ._NAME.png beside each file copied to a drive that lacks macOS's metadata.
+HIDDEN = {'.ipynb_checkpoints/notes-checkpoint.ipynb': b'{}', 'Bag/.DS_Store': b'\0\0\0\1Bud1',
+          'Bag/._0.png': b'\0\5\26\7' + bytes(78)}
+
+
+@pytest.mark.parametrize('flat', [False, True], ids=['split', 'flat'])
+def test_hidden_files_and_folders_of_an_image_folder_are_left_out(tmp_path, flat):
+  folder = write_image_folder(tmp_path, {'train': 10, 'test': 2})
+  folder = os.path.join(folder, 'train') if flat else folder
+  for split in [''] if flat else ['train', 'test']:
+    for path, content in HIDDEN.items():
+      os.makedirs(os.path.dirname(os.path.join(folder, split, path)), exist_ok=True)
+      with open(os.path.join(folder, split, path), 'wb') as f:
+        f.write(content)
+  source = sources.get_source(make_config(dataset=folder))
+  assert source.label_names == ['Bag', 'Trouser']
+  images = [*source.select('train')[0], *source.select('test')[0]]
+  assert len(images) == (20 if flat else 24)
+  assert not [path for path in images
+              if any(part.startswith('.') for part in os.path.relpath(path, folder).split('/'))]
+
+
 def test_randaugment_runs_on_the_images_of_every_source(config_factory):
   # Its ops need the channel count in the static shape, which decoding files left unknown.
   batch = next(ip.train_batches(config_factory(pp=dict(crop=16, randaug=(2, 10)))))

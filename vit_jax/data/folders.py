@@ -17,7 +17,7 @@ from PIL import Image
 import tensorflow as tf
 
 from vit_jax.data import shards
-from vit_jax.data.image_files import IMAGE_EXTENSIONS, IMAGES, MASKS
+from vit_jax.data.image_files import IMAGE_EXTENSIONS, IMAGES, MASKS, visible
 
 
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
@@ -72,7 +72,7 @@ def _class_dirs(split_dir: str) -> list[str]:
         f'Image folder split {split_dir} does not exist: an image folder dataset needs '
         f'DIR/<split>/<class_name>/<images>, or DIR/<class_name>/<images> with no split '
         f'folders (config.dataset=DIR).')
-  classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
+  classes = sorted(visible(e.name for e in os.scandir(split_dir) if e.is_dir()))
   if not classes:
     raise ValueError(f'Image folder split {split_dir} has no class subfolders: put the images of '
                      f'each class into {split_dir}/<class_name>/.')
@@ -101,7 +101,7 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
           f'Class folder {class_dir} has no counterpart in the train split (classes: '
           f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
           'there or remove it here.')
-    names = sorted(os.listdir(class_dir))
+    names = sorted(visible(os.listdir(class_dir)))
     check_utf8_names(class_dir, names)
     files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
     if not files:
@@ -200,7 +200,7 @@ def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndar
     if not os.path.isdir(folder):
       raise FileNotFoundError(f'{folder} does not exist: an image folder labelled per pixel '
                               f'needs DIR/<split>/{IMAGES}/ and DIR/<split>/{MASKS}/.')
-  names = sorted(os.listdir(images_dir))
+  names = sorted(visible(os.listdir(images_dir)))
   check_utf8_names(images_dir, names)
   files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
   if not files:
@@ -279,9 +279,9 @@ def is_flat_folder(directory: str) -> bool:
   if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
       os.path.join(directory, LABELS_CSV)):
     return False
-  return any(entry.is_dir() and any(name.lower().endswith(IMAGE_EXTENSIONS)
-                                    for name in os.listdir(entry.path))
-             for entry in os.scandir(directory))
+  subfolders = visible(entry.name for entry in os.scandir(directory) if entry.is_dir())
+  return any(name.lower().endswith(IMAGE_EXTENSIONS) for subfolder in subfolders
+             for name in visible(os.listdir(os.path.join(directory, subfolder))))
 
 
 def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:

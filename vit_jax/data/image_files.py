@@ -3,7 +3,7 @@ resolution, and class names, one a line. PIL and NumPy only: no TensorFlow.
 """
 import importlib.util
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 from PIL import Image
@@ -14,6 +14,12 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.d
 IMAGES, MASKS = 'images', 'masks'
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
 IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
+
+
+def visible(names: Iterable[str]) -> list[str]:
+  """The file or folder `names` that are not hidden (do not start with '.'): an image folder's
+  contents without Jupyter's .ipynb_checkpoints or macOS's .DS_Store and ._NAME.jpg files."""
+  return [name for name in names if not name.startswith('.')]
 
 
 def imagenet2012_labels_path() -> str:
@@ -89,8 +95,8 @@ def folder_images(folder: str, count: int) -> list[str]:
   root = os.path.join(folder, 'test') if os.path.isdir(os.path.join(folder, 'test')) else folder
   by_folder = []
   for path, subfolders, names in os.walk(root):
-    subfolders[:] = sorted(name for name in subfolders if name != MASKS)
-    images = sorted(os.path.join(path, name) for name in names
+    subfolders[:] = sorted(name for name in visible(subfolders) if name != MASKS)
+    images = sorted(os.path.join(path, name) for name in visible(names)
                     if name.lower().endswith(IMAGE_EXTENSIONS))
     if images:
       by_folder.append(images)
