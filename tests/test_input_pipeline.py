@@ -191,6 +191,26 @@ def test_hidden_files_and_folders_of_an_image_folder_are_left_out(tmp_path, flat
               if any(part.startswith('.') for part in os.path.relpath(path, folder).split('/'))]
 
 
+@pytest.mark.parametrize('flat', [False, True], ids=['split', 'flat'])
+def test_the_images_in_a_class_folders_subfolders_are_of_that_class(tmp_path, flat):
+  folder = write_image_folder(tmp_path, {'train': 10, 'test': 2})
+  folder = os.path.join(folder, 'train') if flat else folder
+  train = os.path.join(folder, '' if flat else 'train')
+  for i in range(5, 10):  # Half the bags one folder down, every trouser two.
+    os.renames(os.path.join(train, 'Bag', f'{i}.png'),
+               os.path.join(train, 'Bag', 'more', f'{i}.png'))
+  for i in range(10):
+    os.renames(os.path.join(train, 'Trouser', f'{i}.png'),
+               os.path.join(train, 'Trouser', '2019', 'june', f'{i}.png'))
+  source = sources.get_source(make_config(dataset=folder))
+  assert source.label_names == ['Bag', 'Trouser']
+  paths, labels = (np.concatenate(pair) for pair in zip(source.select('train'),
+                                                         source.select('test')))
+  assert len(paths) == (20 if flat else 24)
+  for path, label in zip(paths, labels):
+    assert os.path.relpath(path, folder).split('/')[0 if flat else 1] == source.label_names[label]
+
+
 def test_randaugment_runs_on_the_images_of_every_source(config_factory):
   # Its ops need the channel count in the static shape, which decoding files left unknown.
   batch = next(ip.train_batches(config_factory(pp=dict(crop=16, randaug=(2, 10)))))

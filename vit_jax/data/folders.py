@@ -91,8 +91,20 @@ def check_utf8_names(folder: str, names: list[str]) -> None:
                       'rename it, e.g. to ASCII letters and digits.') from None
 
 
+def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
+  """(path, whether it is an image file) of each file in `folder` and its subfolders, in the
+  order of their sorted names, hidden ones left out."""
+  for parent, subfolders, names in os.walk(folder):
+    subfolders[:] = sorted(visible(subfolders))
+    names = sorted(visible(names))
+    check_utf8_names(parent, subfolders + names)
+    for name in names:
+      yield os.path.join(parent, name), name.lower().endswith(IMAGE_EXTENSIONS)
+
+
 def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-  """Paths and labels of all images in `split_dir`, in a fixed class-mixed order."""
+  """Paths and labels of the images of `split_dir`'s class folders (and of their subfolders,
+  as torchvision's ImageFolder and Keras read them), in a fixed class-mixed order."""
   paths, labels, others = [], [], collections.Counter()
   for class_name in _class_dirs(split_dir):
     class_dir = os.path.join(split_dir, class_name)
@@ -101,15 +113,15 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
           f'Class folder {class_dir} has no counterpart in the train split (classes: '
           f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
           'there or remove it here.')
-    names = sorted(visible(os.listdir(class_dir)))
-    check_utf8_names(class_dir, names)
-    files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
-    if not files:
+    files = list(_files_under(class_dir))
+    images = [path for path, is_image in files if is_image]
+    if not images:
       raise ValueError(f'Class folder {class_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images: '
                        'add its images, or remove the folder.')
-    others.update(os.path.splitext(f)[1].lower() or f for f in names if f not in files)
-    paths += [os.path.join(class_dir, f) for f in files]
-    labels += [train_classes.index(class_name)] * len(files)
+    others.update(os.path.splitext(path)[1].lower() or os.path.basename(path)
+                  for path, is_image in files if not is_image)
+    paths += images
+    labels += [train_classes.index(class_name)] * len(images)
   if others:
     logging.warning('Ignoring %d file(s) in %s that are not %s images: %s.', others.total(),
                     split_dir, '/'.join(IMAGE_EXTENSIONS),
@@ -275,13 +287,13 @@ def _drop_undecodable(split: str, paths: np.ndarray,
 
 def is_flat_folder(directory: str) -> bool:
   """Whether `directory` holds its class folders itself: no train/ split and no labels.csv, and
-  a subfolder with an image in it."""
+  a subfolder with an image in it or in a folder of its own."""
   if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
       os.path.join(directory, LABELS_CSV)):
     return False
   subfolders = visible(entry.name for entry in os.scandir(directory) if entry.is_dir())
-  return any(name.lower().endswith(IMAGE_EXTENSIONS) for subfolder in subfolders
-             for name in visible(os.listdir(os.path.join(directory, subfolder))))
+  return any(is_image for subfolder in subfolders
+             for _, is_image in _files_under(os.path.join(directory, subfolder)))
 
 
 def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
