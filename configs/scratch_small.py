@@ -29,12 +29,7 @@ STEPS_WITHOUT_FOLDER = 10_000  # When DIR/train cannot be counted (yet).
 def count_images(folder: str) -> int:
   """Files with an image extension under `folder`, hidden ones left out (0 if it does not
   exist)."""
-  count = 0
-  for _, subfolders, names in os.walk(folder):
-    subfolders[:] = image_files.visible(subfolders)
-    count += sum(name.lower().endswith(image_files.IMAGE_EXTENSIONS)
-                 for name in image_files.visible(names))
-  return count
+  return sum(map(image_files.is_image_file, image_files.files_under(folder)))
 
 
 def training_images(folder: str) -> int:

@@ -1,6 +1,9 @@
 """Tests of the command-line classifier, vit_jax/tools/predict.py, on the real photos in
 tests/data."""
+import csv
+import os
 import re
+import shutil
 import types
 
 import jax
@@ -135,3 +138,43 @@ def test_a_run_that_evaluated_with_a_resize_records_it_and_predict_frames_images
       train=False)))[0]
   printed = parse_output(capsys.readouterr().out)[image]
   np.testing.assert_allclose([p for p, _, _ in printed], np.sort(expected)[::-1], atol=0.01)
+
+
+def test_a_folder_stands_for_its_images_and_out_writes_them_to_a_new_csv_file(files, tmp_path,
+                                                                              capsys):
+  _, tmp = files
+  folder = tmp_path / 'photos'
+  (folder / 'more').mkdir(parents=True)
+  expected = [str(folder / os.path.basename(p)) for p in PHOTOS[:2]] + [
+      str(folder / 'more' / os.path.basename(p)) for p in PHOTOS[2:]]  # Two one folder down.
+  for photo, copy in zip(PHOTOS, expected):
+    shutil.copy(photo, copy)
+  shutil.copy(PHOTOS[0], folder / '._hidden.jpg')
+  (folder / 'notes.txt').write_text('not an image')
+  command = ['--model', 'testing', '--checkpoint', f'{tmp}/model.npz', '--labels',
+             f'{tmp}/labels.txt']
+  assert predict.main([*command, str(folder)]) == 0
+  printed = parse_output(capsys.readouterr().out)
+  assert list(printed) == sorted(expected)
+  assert predict.main([*command, *expected]) == 0  # As when each file is named.
+  assert parse_output(capsys.readouterr().out) == printed
+
+  out = tmp_path / 'predictions.csv'
+  assert predict.main([*command, '--top', '2', '--out', str(out), str(folder)]) == 0
+  assert capsys.readouterr().out == f'Wrote the top 2 classes of 4 images to {out}.\n'
+  with open(out, newline='') as f:
+    header, *rows = csv.reader(f)
+  assert header == ['file', 'class_1', 'probability_1', 'class_2', 'probability_2']
+  assert [row[0] for row in rows] == sorted(expected)
+  for file, *top in rows:
+    assert top[0::2] == [label for _, label, _ in printed[file][:2]]
+    np.testing.assert_allclose([100 * float(p) for p in top[1::2]],
+                               [p for p, _, _ in printed[file][:2]], atol=0.01)
+
+  # Nothing is overwritten; a folder without images is one line.
+  assert predict.main([*command, '--out', str(out), str(folder)]) == 1
+  assert capsys.readouterr().err == (
+      f'error: --out={out} exists: give a new file name (predict does not overwrite it).\n')
+  (tmp_path / 'empty').mkdir()
+  assert predict.main([*command, str(tmp_path / 'empty')]) == 1
+  assert capsys.readouterr().err.startswith(f'error: The folder {tmp_path}/empty holds no .jpg')

@@ -17,7 +17,8 @@ from PIL import Image
 import tensorflow as tf
 
 from vit_jax.data import shards
-from vit_jax.data.image_files import IMAGE_EXTENSIONS, IMAGES, MASKS, visible
+from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
+                                      visible)
 
 
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
@@ -91,17 +92,6 @@ def check_utf8_names(folder: str, names: list[str]) -> None:
                       'rename it, e.g. to ASCII letters and digits.') from None
 
 
-def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
-  """(path, whether it is an image file) of each file in `folder` and its subfolders, in the
-  order of their sorted names, hidden ones left out."""
-  for parent, subfolders, names in os.walk(folder):
-    subfolders[:] = sorted(visible(subfolders))
-    names = sorted(visible(names))
-    check_utf8_names(parent, subfolders + names)
-    for name in names:
-      yield os.path.join(parent, name), name.lower().endswith(IMAGE_EXTENSIONS)
-
-
 def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
   """Paths and labels of the images of `split_dir`'s class folders (and of their subfolders,
   as torchvision's ImageFolder and Keras read them), in a fixed class-mixed order."""
@@ -113,13 +103,14 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
           f'Class folder {class_dir} has no counterpart in the train split (classes: '
           f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
           'there or remove it here.')
-    files = list(_files_under(class_dir))
-    images = [path for path, is_image in files if is_image]
+    files = list(files_under(class_dir))
+    check_utf8_names(class_dir, [os.path.relpath(path, class_dir) for path in files])
+    images = list(filter(is_image_file, files))
     if not images:
       raise ValueError(f'Class folder {class_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images: '
                        'add its images, or remove the folder.')
     others.update(os.path.splitext(path)[1].lower() or os.path.basename(path)
-                  for path, is_image in files if not is_image)
+                  for path in files if not is_image_file(path))
     paths += images
     labels += [train_classes.index(class_name)] * len(images)
   if others:
@@ -214,7 +205,7 @@ def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndar
                               f'needs DIR/<split>/{IMAGES}/ and DIR/<split>/{MASKS}/.')
   names = sorted(visible(os.listdir(images_dir)))
   check_utf8_names(images_dir, names)
-  files = [f for f in names if f.lower().endswith(IMAGE_EXTENSIONS)]
+  files = list(filter(is_image_file, names))
   if not files:
     raise ValueError(f'{images_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images.')
   images = [os.path.join(images_dir, f) for f in files]
@@ -292,8 +283,8 @@ def is_flat_folder(directory: str) -> bool:
       os.path.join(directory, LABELS_CSV)):
     return False
   subfolders = visible(entry.name for entry in os.scandir(directory) if entry.is_dir())
-  return any(is_image for subfolder in subfolders
-             for _, is_image in _files_under(os.path.join(directory, subfolder)))
+  return any(is_image_file(path) for subfolder in subfolders
+             for path in files_under(os.path.join(directory, subfolder)))
 
 
 def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,10 @@
 """A user's own files for a trained model: images to classify or look into, read at the model's
 resolution, and class names, one a line. PIL and NumPy only: no TensorFlow.
 """
+import collections
 import importlib.util
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -20,6 +21,19 @@ def visible(names: Iterable[str]) -> list[str]:
   """The file or folder `names` that are not hidden (do not start with '.'): an image folder's
   contents without Jupyter's .ipynb_checkpoints or macOS's .DS_Store and ._NAME.jpg files."""
   return [name for name in names if not name.startswith('.')]
+
+
+def is_image_file(path: str) -> bool:
+  """Whether the file at `path` is an image by its extension (IMAGE_EXTENSIONS, any case)."""
+  return path.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def files_under(folder: str, skip: Sequence[str] = ()) -> Iterator[str]:
+  """The paths of the files in `folder` and its subfolders (but those named in `skip`), hidden
+  ones left out: a folder's files in the order of their names, then each subfolder's in turn."""
+  for parent, subfolders, names in os.walk(folder):
+    subfolders[:] = sorted(name for name in visible(subfolders) if name not in skip)
+    yield from (os.path.join(parent, name) for name in sorted(visible(names)))
 
 
 def imagenet2012_labels_path() -> str:
@@ -93,13 +107,10 @@ def folder_images(folder: str, count: int) -> list[str]:
   test/ split where it has one, else of the folder itself; one class folder after another, each
   in the order of the file names; a folder labelled per pixel gives its images, not its masks."""
   root = os.path.join(folder, 'test') if os.path.isdir(os.path.join(folder, 'test')) else folder
-  by_folder = []
-  for path, subfolders, names in os.walk(root):
-    subfolders[:] = sorted(name for name in visible(subfolders) if name != MASKS)
-    images = sorted(os.path.join(path, name) for name in visible(names)
-                    if name.lower().endswith(IMAGE_EXTENSIONS))
-    if images:
-      by_folder.append(images)
+  by_folder = collections.defaultdict(list)
+  for path in filter(is_image_file, files_under(root, skip=[MASKS])):
+    by_folder[os.path.dirname(path)].append(path)
+  by_folder = list(by_folder.values())
   in_turn = [paths[i] for i in range(max(map(len, by_folder), default=0))
              for paths in by_folder if i < len(paths)]
   return in_turn[:count]

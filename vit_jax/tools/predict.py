@@ -6,6 +6,11 @@ probabilities: the softmax of the logits, or for a model a run trained with the 
         --labels imagenet2012 cat.jpg dog.png
     python -m vit_jax.predict --checkpoint WORKDIR cat.jpg
     python -m vit_jax.predict --checkpoint augreg:B/16-384 --labels imagenet2012 cat.jpg
+    python -m vit_jax.predict --checkpoint WORKDIR my_photos/ --out predictions.csv
+
+A folder stands for its image files and those of its subfolders (hidden ones left out), in the
+order of their paths. With --out, the predictions go to a CSV file (columns file, then class_1,
+probability_1, ... for the --top classes), and the console gets one line.
 
 Each image is resized (bilinear) to the model's resolution, the one its training run recorded
 or its position embeddings imply (384 px for a file fine-tuned at 384), and its values are
@@ -27,9 +32,10 @@ image it prints the classes that cover the most pixels, with their share, and wi
 writes DIR/NAME.png, the class id of each pixel (grey levels 0 to C - 1).
 """
 import argparse
+import csv
 import os
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -67,14 +73,37 @@ def at_size(model, trained_size, image_size):
 
 def top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
   """Lines '  42.15%  name (index)' of the k most probable classes, most probable first."""
-  order = np.argsort(-probabilities)[:k]
-  return [f'  {100 * probabilities[i]:6.2f}%  {labels[i]} ({i})' for i in order]
+  return [f'  {100 * probabilities[i]:6.2f}%  {labels[i]} ({i})'
+          for i in np.argsort(-probabilities)[:k]]
+
+
+def csv_row(path: str, probabilities: np.ndarray, labels: list[str], k: int) -> list[str]:
+  """[path, name, probability in [0, 1], ...] of the k most probable classes."""
+  return [path, *(value for i in np.argsort(-probabilities)[:k]
+                  for value in (labels[i], f'{probabilities[i]:.6f}'))]
+
+
+def image_paths(arguments: list[str]) -> list[str]:
+  """The files to classify: each argument that is not a folder as it is; of a folder, its image
+  files and its subfolders' (image_files.files_under); a ValueError for a folder without any."""
+  paths = []
+  for argument in arguments:
+    if not os.path.isdir(argument):
+      paths.append(argument)
+      continue
+    images = list(filter(image_files.is_image_file, image_files.files_under(argument)))
+    if not images:
+      raise ValueError(f'The folder {argument} holds no {"/".join(image_files.IMAGE_EXTENSIONS)} '
+                       'images, nor do its subfolders: name image files or a folder of them.')
+    paths += images
+  return paths
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads)')
+  parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads), '
+                      'or folders of them')
   parser.add_argument('--model', help='registry name, e.g. ViT-B_16; needed for files without a '
                       'saved model spec (the published ones)')
   parser.add_argument('--checkpoint', required=True,
@@ -90,6 +119,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser.add_argument('--top', type=int, default=5, help='classes printed per image')
   parser.add_argument('--masks', help='for a segmentation model: a folder to write each '
                       "image's predicted classes to, as NAME.png")
+  parser.add_argument('--out', help='a new CSV file to write the predictions to (file, then '
+                      'class_1, probability_1, ... of the --top classes), instead of printing '
+                      'them')
   return parser.parse_args(argv)
 
 
@@ -116,9 +148,39 @@ def write_mask(folder: str, path: str, classes: np.ndarray) -> None:
   Image.fromarray(classes.astype(np.uint8)).save(os.path.join(folder, f'{name}.png'))
 
 
+def batched_predictions(predict, params, paths: list[str], image_size, resize) -> Iterator[
+    tuple[str, Optional[np.ndarray], Optional[np.ndarray]]]:
+  """(path, scores (C,), class map (H, W) of a segmentation model or None) for each of `paths`
+  in turn, or (path, None, None) for a file that cannot be read, its error printed on stderr.
+
+  Reads and classifies BATCH_SIZE images at a time (fewer where there are fewer), each batch
+  padded to that size so that `predict` (predictor's) compiles once.
+  """
+  batch = min(BATCH_SIZE, len(paths))
+  for start in range(0, len(paths), batch):
+    images = {}
+    for path in paths[start:start + batch]:
+      try:
+        images[path] = image_files.load_image(path, image_size, resize)
+      except (ValueError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        yield path, None, None
+    if not images:
+      continue
+    pixels = np.zeros((batch, *next(iter(images.values())).shape), np.float32)
+    pixels[:len(images)] = list(images.values())
+    scores, maps = jax.device_get(predict(params, pixels))
+    for i, path in enumerate(images):
+      yield path, scores[i], None if maps is None else maps[i]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
+    if args.out and os.path.exists(args.out):
+      raise ValueError(f'--out={args.out} exists: give a new file name (predict does not '
+                       'overwrite it).')
+    paths = image_paths(args.images)
     model, params = runs.load_model(args.checkpoint, args.model)
     trained_size = runs.trained_image_size(args.checkpoint, params, model)
     image_size = args.image_size or trained_size
@@ -137,26 +199,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 1
 
-  images, failed = {}, False
-  for path in args.images:
-    try:
-      images[path] = image_files.load_image(path, image_size, resize)
-    except (ValueError, FileNotFoundError) as e:
-      print(f'error: {e}', file=sys.stderr)
-      failed = True
   per_pixel = isinstance(model, segmentation.SegmentationViT)
-  paths = list(images)
-  for start in range(0, len(paths), BATCH_SIZE):
-    batch = paths[start:start + BATCH_SIZE]
-    scores, maps = jax.device_get(predict(params, np.stack([images[p] for p in batch])))
-    for i, path in enumerate(batch):
+  rows, failed = [], False
+  for path, scores, classes in batched_predictions(predict, params, paths, image_size, resize):
+    if scores is None:
+      failed = True
+    elif args.out:
+      rows.append(csv_row(path, scores, labels, args.top))
+    else:
       print(f'{path} ({blank.size_text(image_size)} px'
             f'{", pixels per class" if per_pixel else ""}):')
-      print('\n'.join(top_k(scores[i], labels, args.top)))
-      if per_pixel and args.masks:
-        write_mask(args.masks, path, maps[i])
+      print('\n'.join(top_k(scores, labels, args.top)))
+    if classes is not None and args.masks:
+      write_mask(args.masks, path, classes)
+  if args.out:
+    write_csv(args.out, rows, min(args.top, len(labels)))
   return 1 if failed else 0
 
+def write_csv(path: str, rows: list[list[str]], k: int) -> None:
+  """Writes the `rows` of csv_row under their header, and says so in one line."""
+  with open(path, 'x', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(['file', *(f'{column}_{j}' for j in range(1, k + 1)
+                               for column in ('class', 'probability'))])
+    writer.writerows(rows)
+  print(f'Wrote the top {k} classes of {len(rows):,} images to {path}.')
 
 if __name__ == '__main__':
   console.run(main)
