@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from helpers import DATA
 from helpers import noting_tensorflow
 from helpers import PHOTOS
 from helpers import random_params
@@ -147,12 +148,14 @@ def test_the_run_continued_ends_again_with_its_few_shot_evaluation(short_run):
 
 
 @SHORT_RUN_WORKER
-def test_predict_command(short_run):
+def test_predict_command_on_a_folder_into_a_csv_file(short_run, tmp_path):
   workdir, _, _ = short_run
-  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), PHOTOS[3],
+  out = tmp_path / 'predictions.csv'
+  output = succeeded(vit_jax('predict', '--checkpoint', str(workdir), DATA, '--out', str(out),
                              note_tensorflow=True))
-  assert os.path.basename(PHOTOS[3]) in output
-  assert 'tensorflow imported: False' in output, output  # PIL reads the image.
+  assert f'Wrote the top 5 classes of {len(PHOTOS)} images to {out}.' in output
+  assert sorted(line.split(',')[0] for line in out.read_text().splitlines()[1:]) == sorted(PHOTOS)
+  assert 'tensorflow imported: False' in output, output  # PIL reads the images.
 
 
 @SHORT_RUN_WORKER
