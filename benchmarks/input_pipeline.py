@@ -8,7 +8,9 @@ Measures, one after the other in one run:
      batch `--step_batch`,
 and prints the ratio; above 1 the accelerator does not wait on the host.
 
-  python benchmarks/pipeline.py
+  python benchmarks/input_pipeline.py
+  python benchmarks/input_pipeline.py --crop 64 --folder_image_size 3000 --model ViT-Ti_16 \\
+      --step_batch 128  # Photos of 9 megapixels for a small model.
 """
 import argparse
 import os

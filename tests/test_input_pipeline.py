@@ -16,10 +16,14 @@ import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from helpers import PHOTOS
 from helpers import write_image_folder
 from vit_jax.data import embedded
+from vit_jax.data import image_files
+from vit_jax.data import image_ops
 from vit_jax.data import pipeline as ip
 from vit_jax.data import sources
 import tiny_tfds
@@ -228,6 +232,47 @@ def test_embedded_eval_yields_the_stored_test_images_and_labels():
 def test_eval_resizes_the_short_side_then_crops_the_centre():
   batch = next(ip.eval_batches(make_config(pp=dict(resize=36, crop=32))))
   assert batch['image'].shape == (8, 32, 32, 3)
+
+
+def large_photo(path, ext='jpg') -> str:
+  """A real photo at 1600 x 1200 px (width x height), written to `path`.EXT."""
+  path = f'{path}.{ext}'
+  Image.open(PHOTOS[0]).convert('RGB').resize((1600, 1200), Image.BICUBIC).save(path)
+  return path
+
+
+def test_a_large_jpeg_decodes_scaled_down_to_the_side_its_preprocessing_needs(tmp_path):
+  encoded = tf.io.read_file(large_photo(tmp_path / 'photo'))
+  # libjpeg's scale-downs divide each side by 8, 4 or 2: the largest that keeps the short side.
+  assert image_ops.decode_image(encoded, 64).shape == (150, 200, 3)
+  assert image_ops.decode_image(encoded, 200).shape == (300, 400, 3)
+  whole = image_ops.decode_image(encoded)
+  assert whole.shape == (1200, 1600, 3)
+  np.testing.assert_array_equal(image_ops.decode_image(encoded, 1000), whole)
+  png = tf.io.read_file(large_photo(tmp_path / 'photo', 'png'))
+  assert image_ops.decode_image(png, 64).shape == (1200, 1600, 3)  # Other formats: whole.
+
+
+def test_a_large_photo_is_evaluated_as_predict_reads_it(tmp_path):
+  for split, name in (('train', 'cat'), ('train', 'dog'), ('test', 'cat')):
+    os.makedirs(tmp_path / split / name)
+    photo = large_photo(tmp_path / split / name / 'photo')
+  config = make_config(dataset=str(tmp_path), pp=dict(crop=64), batch_eval=1)
+  evaluated = next(ip.eval_batches(config))['image'][0]
+  # PIL's resize, which predict uses, averages the pixels it shrinks; so does evaluation.
+  assert np.abs(evaluated - image_files.load_image(photo, 64)).mean() < 0.02
+
+
+def test_the_side_needed_for_training_keeps_every_inception_crop_at_least_the_crops_size():
+  pp = ml_collections.ConfigDict(dict(crop=64, inception_crop=True, area_min=0.25))
+  side = image_ops.shorter_side_needed(pp, train=True)
+
+  def smallest_crop_side(height, width):
+    return min(min(image_ops.inception_crop(tf.zeros((height, width, 3)), tf.constant(
+        [seed, 0], tf.int64), pp.area_min).shape[:2]) for seed in range(200))
+
+  assert smallest_crop_side(side, side) >= 64 and smallest_crop_side(side, 2 * side) >= 64
+  assert smallest_crop_side(side // 2, side // 2) < 64  # Less would not do.
 
 
 def test_folder_labels_follow_sorted_class_folders(folder):

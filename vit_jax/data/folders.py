@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 import tensorflow as tf
 
+from vit_jax.data import image_ops
 from vit_jax.data import shards
 from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
                                       visible)
@@ -36,9 +37,10 @@ FLAT_SPLITS = ('train', 'test')
 FLAT_TEST_FRACTION = 0.1
 
 
-def decode_image_file(path: tf.Tensor) -> tf.Tensor:
-  """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file: string () -> uint8 (height, width, 3)."""
-  return tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+def decode_image_file(path: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
+  """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file: string () -> uint8 (height, width, 3), a
+  large JPEG scaled down to `shorter_side` or more (image_ops.decode_image)."""
+  return image_ops.decode_image(tf.io.read_file(path), shorter_side)
 
 
 def decode_failure(path: str) -> str:

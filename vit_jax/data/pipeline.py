@@ -27,7 +27,9 @@ Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-st
 (5%-100% of the area, aspect ratio 3/4-4/3), resizes it to `pp.crop` and flips it at random
 (`pp.flip`), then applies RandAugment where `pp.randaug` is set (vit_jax/data/randaugment.py, keyed
 like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
-to `pp.resize` and takes the central `pp.crop` square. Images are float32 in [-1, 1], labels
+to `pp.resize` and takes the central `pp.crop` square. Resizes that shrink are antialiased, and a
+large JPEG is decoded at the smallest of libjpeg's scales that still holds the pixels these take
+(`image_ops.decode_image`; not for labels per pixel). Images are float32 in [-1, 1], labels
 int32 class indices (the loss takes them as they are, or one-hot via
 `jax.nn.one_hot(label, num_classes)`), or for multi-label data (an image folder with a
 labels.csv, a tfds label that is a sequence) float32 multi-hot rows (num_classes,).
@@ -36,7 +38,7 @@ import collections
 import dataclasses
 import logging
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -115,6 +117,12 @@ def _shard(source, split: str, process_index: int, process_count: int) -> shards
   return shard
 
 
+def _shorter_side(source, pp, train: bool) -> Optional[int]:
+  """The shorter side an image of `source` may be decoded at (image_ops.shorter_side_needed):
+  None, the whole image, where labels per pixel are read at the image's full size."""
+  return None if source.per_pixel_labels else image_ops.shorter_side_needed(pp, train)
+
+
 def _label(label: tf.Tensor, multi_label: bool) -> tf.Tensor:
   """A record's label as batches hold it: int32 () class, or float32 (C,) multi-hot."""
   return tf.cast(label, tf.float32 if multi_label else tf.int32)
@@ -157,9 +165,12 @@ def train_dataset(config, *, process_index: int, process_count: int,
     row = position % stream_batch
     return (row >= first_row) & (row < first_row + batch)
 
+  shorter_side = _shorter_side(source, config.pp, train=True)
+
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
-    image, label = shard.decode(record['image']), shard.decode_label(record['label'])
+    image = shard.decode(record['image'], shorter_side)
+    label = shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Cropped, resized and flipped with the image.
       image, label = image_ops.preprocess_train_per_pixel(image, label, key, config.pp)
     else:
@@ -188,8 +199,11 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   shard = _shard(source, config.test_split, process_index, process_count)
   num_batches = math.ceil(max(source.shard_sizes(config.test_split, process_count)) / batch)
 
+  shorter_side = _shorter_side(source, config.pp, train=False)
+
   def preprocess(record):
-    image, label = shard.decode(record['image']), shard.decode_label(record['label'])
+    image = shard.decode(record['image'], shorter_side)
+    label = shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Sized as the image is.
       image, label = image_ops.preprocess_eval_per_pixel(image, label, config.pp)
     else:

@@ -28,13 +28,15 @@ class Shard:
       `{'image': undecoded image, 'label': int64 () class, int64 (C,) multi-hot of a
       multi-label source, or per pixel int64 (height, width) or the string path of a mask
       file}`; shuffled by the stateless key (int64 (2,)) or, for `key=None`, in the stored order.
-    decode: undecoded image -> uint8 (height, width, 3).
+    decode: (undecoded image, shorter side needed in pixels or None) -> uint8 (height, width,
+      3), a large image decoded at a smaller size where its format allows and a side is given
+      (image_ops.decode_image).
     decode_label: a record's label -> the label as preprocessing takes it: the labels per pixel
       (height, width) of a mask file's path; the label itself for all others.
   """
   num_examples: int
   epoch: Callable[[Optional[tf.Tensor]], tf.data.Dataset]
-  decode: Callable[[tf.Tensor], tf.Tensor]
+  decode: Callable[[tf.Tensor, Optional[int]], tf.Tensor]
   decode_label: Callable[[tf.Tensor], tf.Tensor]
 
 

@@ -21,8 +21,9 @@ from vit_jax.data import shards
 from vit_jax.data import tfds_source
 
 
-def _grey_to_rgb(image: tf.Tensor) -> tf.Tensor:
-  """uint8 (height, width) -> uint8 (height, width, 3)."""
+def _grey_to_rgb(image: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
+  """uint8 (height, width) -> uint8 (height, width, 3); pixels, already decoded at their size."""
+  del shorter_side
   return tf.image.grayscale_to_rgb(image[..., None])
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax.data import image_ops
 from vit_jax.data import shards
 
 
@@ -138,8 +139,8 @@ class TfdsSource:
     return shards.Shard(self.num_examples(process_split), epoch, self.decode, shards.stored_label)
 
   @staticmethod
-  def decode(encoded: tf.Tensor) -> tf.Tensor:
-    return tf.io.decode_image(encoded, channels=3, expand_animations=False)
+  def decode(encoded: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
+    return image_ops.decode_image(encoded, shorter_side)
 
   def check_decodable(self, split: str) -> None:
     """Does nothing: tfds wrote the records it prepared, and reading them all would be slow."""
