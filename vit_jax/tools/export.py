@@ -16,7 +16,8 @@ width), which every format keeps. Formats:
   GELU, LayerNorm epsilon 1e-6) and `preprocessor_config.json` (bilinear resize, [-1, 1]).
 - saved_model: a TensorFlow SavedModel made with jax2tf, serving `serving_default` (uint8
   images) and `serving_float` (float32 pixel values in [0, 255]), both (B, H, W, 3) of any B, H,
-  W: resized bilinearly to the model's resolution, scaled to [-1, 1], giving {'logits': (B,
+  W: resized bilinearly to the model's resolution (antialiased where it shrinks), scaled to
+  [-1, 1], giving {'logits': (B,
   classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
   model is lowered for CPU, CUDA GPUs and TPUs.
 - tflite: the uint8 function, converted by TFLite's converter with its built-in ops only, at a
