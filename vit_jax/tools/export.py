@@ -17,9 +17,8 @@ width), which every format keeps. Formats:
 - saved_model: a TensorFlow SavedModel made with jax2tf, serving `serving_default` (uint8
   images) and `serving_float` (float32 pixel values in [0, 255]), both (B, H, W, 3) of any B, H,
   W: resized bilinearly to the model's resolution (antialiased where it shrinks), scaled to
-  [-1, 1], giving {'logits': (B,
-  classes)}. The batch dimension is polymorphic, so one export serves any batch size; the
-  model is lowered for CPU, CUDA GPUs and TPUs.
+  [-1, 1], giving {'logits': (B, classes)}. The batch dimension is polymorphic, so one export
+  serves any batch size; the model is lowered for CPU, CUDA GPUs and TPUs.
 - tflite: the uint8 function, converted by TFLite's converter with its built-in ops only, at a
   fixed (1, height, width, 3): TFLite's converter cannot convert the polymorphic batch (taking the
   class token becomes a `dynamic_gather`, which it does not support).
