@@ -37,8 +37,8 @@ def training_images(folder: str) -> int:
   folder that holds its class folders itself, all but its held-out test share."""
   if not (os.path.isdir(folder) and folders.is_flat_folder(folder)):
     return count_images(os.path.join(folder, 'train'))
-  classes = image_files.visible(entry.name for entry in os.scandir(folder) if entry.is_dir())
-  return folders.flat_train_size([count_images(os.path.join(folder, name)) for name in classes])
+  return folders.flat_train_size([count_images(os.path.join(folder, name))
+                                  for name in image_files.subfolders(folder)])
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:

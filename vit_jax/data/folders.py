@@ -9,7 +9,7 @@ import csv
 import functools
 import os
 import re
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from absl import logging
 import numpy as np
@@ -19,7 +19,7 @@ import tensorflow as tf
 from vit_jax.data import image_ops
 from vit_jax.data import shards
 from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
-                                      visible)
+                                      subfolders, visible)
 
 
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
@@ -75,21 +75,21 @@ def _class_dirs(split_dir: str) -> list[str]:
         f'Image folder split {split_dir} does not exist: an image folder dataset needs '
         f'DIR/<split>/<class_name>/<images>, or DIR/<class_name>/<images> with no split '
         f'folders (config.dataset=DIR).')
-  classes = sorted(visible(e.name for e in os.scandir(split_dir) if e.is_dir()))
+  classes = subfolders(split_dir)
   if not classes:
     raise ValueError(f'Image folder split {split_dir} has no class subfolders: put the images of '
                      f'each class into {split_dir}/<class_name>/.')
   return classes
 
 
-def check_utf8_names(folder: str, names: list[str]) -> None:
-  """A DataError naming the first of the file `names` in `folder` that is not valid UTF-8 (which
+def check_utf8_paths(paths: Iterable[str]) -> None:
+  """A DataError naming the first of the file `paths` that is not valid UTF-8 (which
   TensorFlow's file names must be), with its undecodable bytes as \\xNN escapes."""
-  for name in names:
+  for path in paths:
     try:
-      name.encode('utf-8')
+      path.encode('utf-8')
     except UnicodeEncodeError:  # os.listdir keeps undecodable bytes as surrogate escapes.
-      shown = os.fsencode(os.path.join(folder, name)).decode('utf-8', 'backslashreplace')
+      shown = os.fsencode(path).decode('utf-8', 'backslashreplace')
       raise shards.DataError(f'The file name {shown} is not valid UTF-8, which TensorFlow needs: '
                       'rename it, e.g. to ASCII letters and digits.') from None
 
@@ -106,7 +106,7 @@ def _list_images(split_dir: str, train_classes: list[str]) -> tuple[np.ndarray, 
           f'{", ".join(train_classes)}): labels come from the train class folders, so add it '
           'there or remove it here.')
     files = list(files_under(class_dir))
-    check_utf8_names(class_dir, [os.path.relpath(path, class_dir) for path in files])
+    check_utf8_paths(files)
     images = list(filter(is_image_file, files))
     if not images:
       raise ValueError(f'Class folder {class_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images: '
@@ -158,7 +158,7 @@ def _list_csv_images(directory: str, rows: dict[str, list[str]], split: str,
   fixed order."""
   rows = _csv_split(directory, rows, split)
   files = sorted(rows)
-  check_utf8_names(directory, files)
+  check_utf8_paths(os.path.join(directory, file) for file in files)
   labels = np.zeros((len(files), len(train_classes)), np.int64)
   index = {name: i for i, name in enumerate(train_classes)}
   for row, file in enumerate(files):
@@ -206,7 +206,7 @@ def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndar
       raise FileNotFoundError(f'{folder} does not exist: an image folder labelled per pixel '
                               f'needs DIR/<split>/{IMAGES}/ and DIR/<split>/{MASKS}/.')
   names = sorted(visible(os.listdir(images_dir)))
-  check_utf8_names(images_dir, names)
+  check_utf8_paths(os.path.join(images_dir, name) for name in names)
   files = list(filter(is_image_file, names))
   if not files:
     raise ValueError(f'{images_dir} holds no {"/".join(IMAGE_EXTENSIONS)} images.')
@@ -284,8 +284,7 @@ def is_flat_folder(directory: str) -> bool:
   if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
       os.path.join(directory, LABELS_CSV)):
     return False
-  subfolders = visible(entry.name for entry in os.scandir(directory) if entry.is_dir())
-  return any(is_image_file(path) for subfolder in subfolders
+  return any(is_image_file(path) for subfolder in subfolders(directory)
              for path in files_under(os.path.join(directory, subfolder)))
 
 

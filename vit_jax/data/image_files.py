@@ -23,6 +23,11 @@ def visible(names: Iterable[str]) -> list[str]:
   return [name for name in names if not name.startswith('.')]
 
 
+def subfolders(folder: str) -> list[str]:
+  """The names of the folders in `folder`, sorted, hidden ones left out."""
+  return sorted(visible(entry.name for entry in os.scandir(folder) if entry.is_dir()))
+
+
 def is_image_file(path: str) -> bool:
   """Whether the file at `path` is an image by its extension (IMAGE_EXTENSIONS, any case)."""
   return path.lower().endswith(IMAGE_EXTENSIONS)

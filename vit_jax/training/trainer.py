@@ -170,8 +170,7 @@ def write_model(state: TrainState, model, config: ml_collections.ConfigDict, wor
              'model_raw.npz': (state.params, 'params')}
   spec = {**registry.model_spec(model, config.model_name), 'label_names': list(label_names),
           'image_size': list(blank.image_hw(config.pp.crop)), 'resize': config.pp.resize,
-          'loss': config.loss,
-          **tasks.spec_of(config)}
+          'loss': config.loss, **tasks.spec_of(config)}
   for name, (params, what) in files.items():
     # Every process joins the gather (params may be split across hosts); process 0 writes.
     params = multihost_utils.process_allgather(params, tiled=True)
