@@ -263,6 +263,27 @@ def test_a_large_photo_is_evaluated_as_predict_reads_it(tmp_path):
   assert np.abs(evaluated - image_files.load_image(photo, 64)).mean() < 0.02
 
 
+def test_a_photo_taken_sideways_is_evaluated_upright_as_predict_reads_it(tmp_path):
+  """A phone's portrait: pixels stored as the sensor read them (1600 x 1200), turned a quarter
+  counter-clockwise from the scene, and EXIF orientation 6 (show them turned clockwise)."""
+  scene = np.asarray(Image.open(PHOTOS[0]).convert('RGB').resize((1200, 1600), Image.BICUBIC))
+  exif = Image.Exif()
+  exif[image_files.EXIF_ORIENTATION] = 6
+  for split in ('train', 'test'):
+    for name in ('cat', 'dog'):
+      os.makedirs(tmp_path / split / name)
+      Image.fromarray(np.rot90(scene)).save(tmp_path / split / name / 'photo.jpg',
+                                            exif=exif.tobytes())
+  photo = str(tmp_path / 'test' / 'cat' / 'photo.jpg')
+  config = make_config(dataset=str(tmp_path), pp=dict(crop=(64, 48)), batch_eval=1)
+  evaluated = next(ip.eval_batches(config))['image'][0]
+  scene_64x48 = np.asarray(Image.fromarray(scene).resize((48, 64), Image.BILINEAR)) / 127.5 - 1
+  assert np.abs(evaluated - scene_64x48).mean() < 0.01
+  assert np.abs(evaluated - image_files.load_image(photo, (64, 48))).mean() < 0.01
+  sideways = np.asarray(Image.fromarray(np.rot90(scene)).resize((48, 64), Image.BILINEAR))
+  assert np.abs(evaluated - (sideways / 127.5 - 1)).mean() > 0.2  # As stored it differs.
+
+
 def test_the_side_needed_for_training_keeps_every_inception_crop_at_least_the_crops_size():
   pp = ml_collections.ConfigDict(dict(crop=64, inception_crop=True, area_min=0.25))
   side = image_ops.shorter_side_needed(pp, train=True)

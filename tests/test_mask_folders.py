@@ -57,12 +57,13 @@ def config_of(folder, **overrides):
   return config
 
 
-def classes_of_colours(image):
-  """int (h, w): the class whose colour each pixel of `image` (float32 in [-1, 1]) is."""
+def classes_of_colours(image, tolerance=1):
+  """int (h, w): the class whose colour each pixel of `image` (float32 in [-1, 1]) is, within
+  `tolerance` levels."""
   pixels = np.round((image + 1) * 127.5)
   found = np.full(image.shape[:2], -1)
   for class_id, colour in COLOURS.items():
-    found[(np.abs(pixels - colour) <= 1).all(-1)] = class_id
+    found[(np.abs(pixels - colour) <= tolerance).all(-1)] = class_id
   return found
 
 
@@ -93,8 +94,9 @@ def test_a_colour_mask_is_a_one_line_error_naming_it(folder):
     dataset_checks.check_data(config_of(folder), 'Config error: ')
 
 
-def assert_test_batches_hold_their_masks(folder):
-  """The test batches of `folder` hold TEST's images, each with its mask at 14 px."""
+def assert_test_batches_hold_their_masks(folder, tolerance=1):
+  """The test batches of `folder` hold TEST's images, each with its mask at 14 px, their colours
+  within `tolerance` levels."""
   batches = list(pipeline.eval_batches(config_of(folder)))
   real = np.concatenate([b['mask'] for b in batches]) == 1
   labels = np.concatenate([b['label'] for b in batches])[real]
@@ -102,14 +104,14 @@ def assert_test_batches_hold_their_masks(folder):
   assert labels.shape == (2, 14, 14) and labels.dtype == np.int32
   expected = {quadrants(classes, (14, 14)).tobytes() for classes, _ in TEST.values()}
   assert {label.tobytes() for label in labels.astype(int)} == expected
-  assert_images_show_their_labels(images, labels)
+  assert_images_show_their_labels(images, labels, tolerance)
 
 
-def assert_images_show_their_labels(images, labels):
+def assert_images_show_their_labels(images, labels, tolerance=1):
   """Each pixel of a pure quadrant colour shows its label's colour; resizing mixes colours only
   where two quadrants meet, so most pixels are pure."""
   for image, label in zip(images, labels):
-    colours = classes_of_colours(image)
+    colours = classes_of_colours(image, tolerance)
     exact = colours >= 0
     assert exact.mean() > 0.5
     np.testing.assert_array_equal(colours[exact], label[exact])
@@ -148,8 +150,22 @@ def test_an_image_without_its_mask_is_a_one_line_error_before_training(folder):
 def test_a_mask_of_another_size_than_its_image_is_a_one_line_error(folder):
   Image.fromarray(np.zeros((10, 10), np.uint8)).save(folder / 'test' / 'masks' / 'd.png')
   with pytest.raises(ConfigError, match=r'The mask .*d\.png is 10x10 px, its image .*d\.png '
-                     r'40x24: give them one size\.$'):
+                     r'40x24 \(as shown\): give them one size\.$'):
     dataset_checks.check_data(config_of(folder), 'Config error: ')
+
+
+def test_a_photo_taken_sideways_pairs_with_a_mask_of_the_photo_as_shown(folder):
+  """A phone's JPEG: its pixels stored turned a quarter counter-clockwise, its EXIF orientation 6
+  (show them turned clockwise); the mask labels the photo as shown."""
+  shown = np.asarray(Image.open(folder / 'test' / 'images' / 'd.png'))  # 24 x 40, as labelled.
+  os.remove(folder / 'test' / 'images' / 'd.png')
+  exif = Image.Exif()
+  exif[0x0112] = 6
+  Image.fromarray(np.rot90(shown)).save(folder / 'test' / 'images' / 'd.jpg', quality=100,
+                                        subsampling=0, exif=exif.tobytes())
+  assert Image.open(folder / 'test' / 'images' / 'd.jpg').size == (24, 40)  # Stored 40 x 24.
+  dataset_checks.check_data(config_of(folder), 'Config error: ')  # The sizes match as shown.
+  assert_test_batches_hold_their_masks(folder, tolerance=16)  # JPEG's colours are near.
 
 
 def test_a_class_id_beyond_classes_txt_is_an_error_naming_the_mask(folder):

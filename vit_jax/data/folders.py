@@ -19,7 +19,7 @@ import tensorflow as tf
 from vit_jax.data import image_ops
 from vit_jax.data import shards
 from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
-                                      subfolders, visible)
+                                      shown_size, subfolders, visible)
 
 
 # In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
@@ -39,8 +39,9 @@ FLAT_TEST_FRACTION = 0.1
 
 def decode_image_file(path: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
   """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file: string () -> uint8 (height, width, 3), a
-  large JPEG scaled down to `shorter_side` or more (image_ops.decode_image)."""
-  return image_ops.decode_image(tf.io.read_file(path), shorter_side)
+  large JPEG scaled down to `shorter_side` or more and turned as its EXIF orientation shows it
+  (image_ops.decode_image), as image viewers and `predict` show it."""
+  return image_ops.decode_image(tf.io.read_file(path), shorter_side, upright=True)
 
 
 def decode_failure(path: str) -> str:
@@ -184,16 +185,18 @@ MASK_MODES = ('L', 'P')
 
 def _check_mask_file(image: str, mask: str) -> None:
   """A DataError naming `mask` where it is not an 8-bit greyscale or palette PNG the size of
-  `image`; reads the files' headers only."""
+  `image` as it is shown (a JPEG turned upright by its EXIF orientation); reads the files'
+  headers only."""
   with Image.open(image) as pixels, Image.open(mask) as ids:
     if ids.format != 'PNG' or ids.mode not in MASK_MODES:
       raise shards.DataError(
           f'The mask {mask} is a {ids.format} image of mode {ids.mode}; a mask is an 8-bit PNG '
           'of class ids, greyscale (mode L, e.g. PIL.Image.fromarray(ids.astype(np.uint8))) or '
           'palette (mode P: the indices are the ids).')
-    if ids.size != pixels.size:
+    width, height = shown_size(pixels)
+    if ids.size != (width, height):
       raise shards.DataError(f'The mask {mask} is {ids.size[0]}x{ids.size[1]} px, its image '
-                             f'{image} {pixels.size[0]}x{pixels.size[1]}: give them one size.')
+                             f'{image} {width}x{height} (as shown): give them one size.')
 
 
 def _list_masked_images(directory: str, split: str) -> tuple[np.ndarray, np.ndarray]:

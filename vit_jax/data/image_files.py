@@ -8,6 +8,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from PIL import Image
+from PIL import ImageOps
 
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.decode_image's.
 # An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
@@ -15,6 +16,7 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.d
 IMAGES, MASKS = 'images', 'masks'
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
 IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
+EXIF_ORIENTATION = 0x0112  # The EXIF tag of how to show the pixels; 5 to 8 swap the sides.
 
 
 def visible(names: Iterable[str]) -> list[str]:
@@ -78,6 +80,18 @@ def _eight_bit(image: Image.Image) -> Image.Image:
   return image
 
 
+def upright(image: Image.Image) -> Image.Image:
+  """A JPEG turned as its EXIF orientation shows it, as training reads it (data/orientation.py);
+  any other image as stored."""
+  return ImageOps.exif_transpose(image) if image.format == 'JPEG' else image
+
+
+def shown_size(image: Image.Image) -> tuple[int, int]:
+  """(width, height) of `image` as `upright` shows it; reads its header only."""
+  turned = image.format == 'JPEG' and image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+  return image.size[::-1] if turned else image.size
+
+
 def _framed(image: Image.Image, height: int, width: int, resize: Optional[int]) -> Image.Image:
   """`image` resized (bilinear) to height x width; with `resize`, as a run with that
   config.pp.resize evaluates: its short side resized to `resize`, then the centre cropped."""
@@ -95,13 +109,13 @@ def load_image(path: str, image_size: int | tuple[int, int],
                resize: Optional[int] = None) -> np.ndarray:
   """The image at `path` at `image_size` (a side, or (height, width)): resized to it, or with
   `resize` (config.pp.resize) its short side resized to that and the centre taken, as (height,
-  width, 3) float32 RGB values in [-1, 1]."""
+  width, 3) float32 RGB values in [-1, 1]. A JPEG is turned upright first (`upright`)."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file')
   try:
     with Image.open(path) as image:
       height, width = image_size if isinstance(image_size, (tuple, list)) else (image_size,) * 2
-      image = _framed(_eight_bit(image).convert('RGB'), height, width, resize)
+      image = _framed(_eight_bit(upright(image)).convert('RGB'), height, width, resize)
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise ValueError(f'{path}: cannot decode the image ({e})') from None
   return np.asarray(image, np.float32) / 127.5 - 1

@@ -8,6 +8,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from vit_jax.data import orientation
 from vit_jax.data import randaugment
 from vit_jax.models import blank
 
@@ -20,14 +21,24 @@ _RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
 JPEG_SCALE_DOWNS = (1, 2, 4, 8)
 
 
-def decode_image(encoded: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
+def decode_image(encoded: tf.Tensor, shorter_side: Optional[int] = None,
+                 upright: bool = False) -> tf.Tensor:
   """Encoded JPEG/PNG/BMP/GIF/WebP bytes -> uint8 (height, width, 3).
 
   With `shorter_side` (`shorter_side_needed`), a JPEG is decoded scaled down by the largest r of
   JPEG_SCALE_DOWNS that keeps its shorter side at least that long: a 12-megapixel photo for a
   model of 64 px decodes at an eighth of each side, in a fraction of the time, and its
-  preprocessing still reads at least the pixels it keeps.
+  preprocessing still reads at least the pixels it keeps. With `upright`, a JPEG is turned as its
+  EXIF orientation shows it (`orientation`): height and width swap for a photo taken sideways.
   """
+  decoded = _decode(encoded, shorter_side)
+  if not upright:
+    return decoded
+  return orientation.upright(decoded, orientation.exif_orientation(encoded))
+
+
+def _decode(encoded: tf.Tensor, shorter_side: Optional[int]) -> tf.Tensor:
+  """`decode_image` of the pixels as stored."""
   def whole():
     return tf.io.decode_image(encoded, channels=3, expand_animations=False)
 
