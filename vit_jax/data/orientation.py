@@ -26,6 +26,7 @@ _MAX_ENTRIES = 64  # Entries of IFD0 searched for the tag; a camera's IFD0 has a
 _ENTRY_SHORTS = 6  # 12 bytes: tag, type, count (2 shorts), value (left-aligned) or its offset.
 
 
+@tf.autograph.experimental.do_not_convert  # No Python control flow on tensors to convert.
 def exif_orientation(encoded: tf.Tensor) -> tf.Tensor:
   """int32 () in 1..8: the Orientation tag of the JPEG bytes `encoded` (string ()), else
   AS_STORED."""
@@ -65,6 +66,7 @@ def _tagged_orientation(head: tf.Tensor, before: tf.Tensor, tiff: tf.Tensor) -> 
   return tf.where(found, value, AS_STORED)
 
 
+@tf.autograph.experimental.do_not_convert
 def upright(image: tf.Tensor, orientation: tf.Tensor) -> tf.Tensor:
   """(height, width, C) pixels as stored -> as the EXIF `orientation` (int32 () in 1..8) shows
   them: transposed for 5 to 8, then mirrored left-right (2, 7), turned 180 degrees (3, 8) or
