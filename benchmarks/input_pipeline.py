@@ -6,7 +6,9 @@ Measures, one after the other in one run:
      JPEGs written for the benchmark;
   2. images per second of one jitted ViT-S_16 training step (forward, backward, SGD update) at
      batch `--step_batch`,
-and prints the ratio; above 1 the accelerator does not wait on the host.
+and prints the ratio; above 1 the accelerator does not wait on the host. Also times the check a
+run makes before it compiles, that each image of the folder's test split decodes
+(`pipeline.get_dataset_info`).
 
   python benchmarks/input_pipeline.py
   python benchmarks/input_pipeline.py --crop 64 --folder_image_size 3000 --model ViT-Ti_16 \\
@@ -110,8 +112,12 @@ def main():
   print(f'pipeline, embedded 28 px -> {args.crop} px: {arrays:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
     write_image_folder(root, images_per_class=32, size=args.folder_image_size)
-    folder = pipeline_images_per_second(
-        pipeline_config(root, args.crop, args.batch), mesh, args.batches)
+    config = pipeline_config(root, args.crop, args.batch)
+    start, cpu = time.perf_counter(), time.process_time()
+    num_test = pipeline.get_dataset_info(config).num_test
+    print(f'start-up check that the {num_test} test images decode: '
+          f'{time.perf_counter() - start:.2f} s ({time.process_time() - cpu:.2f} CPU-s)')
+    folder = pipeline_images_per_second(config, mesh, args.batches)
   print(f'pipeline, folder JPEG {args.folder_image_size} px -> {args.crop} px: '
         f'{folder:8.1f} img/s')
   step = train_step_images_per_second(args.model, args.crop, args.step_batch, args.steps)

@@ -284,6 +284,22 @@ def test_a_photo_taken_sideways_is_evaluated_upright_as_predict_reads_it(tmp_pat
   assert np.abs(evaluated - (sideways / 127.5 - 1)).mean() > 0.2  # As stored it differs.
 
 
+def test_a_photo_cut_short_is_found_before_training_by_the_quick_decode(tmp_path):
+  """The check before training decodes a JPEG at an eighth of each side, which still reads all
+  of its data: a large photo that ends half way is found, as training's decode would find it."""
+  write_folder(tmp_path, 'train', 1)
+  write_folder(tmp_path, 'test', 1)
+  photo = large_photo(tmp_path / 'test' / 'bag' / 'photo')
+  with open(photo, 'rb') as f:
+    data = f.read()
+  with open(photo, 'wb') as f:
+    f.write(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f"split 'test': {photo} "):
+    ip.get_dataset_info(make_config(dataset=str(tmp_path)))
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    image_ops.decode_image(tf.constant(data[:len(data) // 2]))  # Decoded whole it fails too.
+
+
 def test_the_side_needed_for_training_keeps_every_inception_crop_at_least_the_crops_size():
   pp = ml_collections.ConfigDict(dict(crop=64, inception_crop=True, area_min=0.25))
   side = image_ops.shorter_side_needed(pp, train=True)
@@ -558,7 +574,7 @@ def test_undecodable_images_are_named_each_with_its_own_error(folder_with_bad_im
   with pytest.raises(ValueError, match='Cannot decode 2 image') as error:
     take(ip.train_batches(make_config(dataset=str(root))), 3)
   message = str(error.value)
-  assert f'{bad_jpeg} (jpeg::Uncompress failed' in message
+  assert f'{bad_jpeg} (Invalid JPEG data' in message
   assert f'{empty_png} (Input is empty' in message
   assert message.endswith('or set config.skip_bad_images=True to skip (and count) them.')
 
