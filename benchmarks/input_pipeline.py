@@ -40,8 +40,12 @@ def pipeline_config(dataset: str, crop: int, batch: int) -> ml_collections.Confi
       prefetch=2))
 
 
-def write_image_folder(root: str, images_per_class: int, size: int):
-  """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder."""
+def write_image_folder(root: str, images_per_class: int, size: int, orientation: int = 1):
+  """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder;
+  with an `orientation` other than 1, each JPEG carries that EXIF orientation tag."""
+  tags = Image.Exif()
+  tags[0x0112] = orientation  # EXIF's Orientation tag.
+  exif = tags.tobytes() if orientation != 1 else b''
   with np.load(embedded.PATH) as data:
     images, labels, names = data['train_images'], data['train_labels'], data['label_names']
   for split in ('train', 'test'):
@@ -50,7 +54,7 @@ def write_image_folder(root: str, images_per_class: int, size: int):
       os.makedirs(class_dir)
       for i, image in enumerate(images[labels == label][:images_per_class]):
         rgb = Image.fromarray(image).convert('RGB').resize((size, size), Image.BILINEAR)
-        rgb.save(os.path.join(class_dir, f'{i}.jpg'), quality=90)
+        rgb.save(os.path.join(class_dir, f'{i}.jpg'), quality=90, exif=exif)
 
 
 def pipeline_images_per_second(config, mesh, num_batches: int) -> float:
@@ -100,6 +104,9 @@ def main():
   parser.add_argument('--batch', type=int, default=32, help='Pipeline batch.')
   parser.add_argument('--batches', type=int, default=30, help='Pipeline batches timed.')
   parser.add_argument('--folder_image_size', type=int, default=384)
+  parser.add_argument('--orientation', type=int, default=1,
+                      help="The EXIF orientation tag of the folder's JPEGs (1: none; 6: a phone "
+                      'held upright, turned when decoded).')
   parser.add_argument('--model', default='ViT-S_16')
   parser.add_argument('--step_batch', type=int, default=16)
   parser.add_argument('--steps', type=int, default=3)
@@ -111,15 +118,15 @@ def main():
       pipeline_config(embedded.DATASET, args.crop, args.batch), mesh, args.batches)
   print(f'pipeline, embedded 28 px -> {args.crop} px: {arrays:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
-    write_image_folder(root, images_per_class=32, size=args.folder_image_size)
+    write_image_folder(root, 32, args.folder_image_size, args.orientation)
     config = pipeline_config(root, args.crop, args.batch)
     start, cpu = time.perf_counter(), time.process_time()
     num_test = pipeline.get_dataset_info(config).num_test
     print(f'start-up check that the {num_test} test images decode: '
           f'{time.perf_counter() - start:.2f} s ({time.process_time() - cpu:.2f} CPU-s)')
     folder = pipeline_images_per_second(config, mesh, args.batches)
-  print(f'pipeline, folder JPEG {args.folder_image_size} px -> {args.crop} px: '
-        f'{folder:8.1f} img/s')
+  print(f'pipeline, folder JPEG {args.folder_image_size} px (EXIF orientation '
+        f'{args.orientation}) -> {args.crop} px: {folder:8.1f} img/s')
   step = train_step_images_per_second(args.model, args.crop, args.step_batch, args.steps)
   print(f'{args.model} train step, batch {args.step_batch}: {step:8.1f} img/s')
   print(f'ratio pipeline / train step: embedded {arrays / step:.1f}x, '
