@@ -63,8 +63,8 @@ def test_with_a_resize_an_image_is_framed_as_evaluation_frames_it():
   from vit_jax.data import image_ops
   from vit_jax.data import folders
   photo = next(path for path in PHOTOS if Image.open(path).size == (32, 32))
-  decoded = tf.cast(folders.decode_image_file(tf.constant(photo)), tf.float32)
-  evaluated = image_ops.central_crop(image_ops.resize_short_side(decoded, 80), 64).numpy()
+  decoded = tf.cast(folders.decode_image_file(tf.constant(photo))[0], tf.float32)
+  evaluated = image_ops.central_crop(image_ops.resize_short_side(decoded, 80), (64, 64)).numpy()
   evaluated = evaluated / 127.5 - 1
   assert np.abs(image_files.load_image(photo, 64, resize=80) - evaluated).mean() < 0.01
   assert np.abs(image_files.load_image(photo, 64) - evaluated).mean() > 0.1

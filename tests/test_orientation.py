@@ -3,6 +3,7 @@ byte orders, turned upright as PIL's ImageOps.exif_transpose turns them."""
 import io
 import struct
 
+import ml_collections
 import numpy as np
 from PIL import Image
 from PIL import ImageOps
@@ -45,8 +46,13 @@ def assert_close(decoded: np.ndarray, expected: np.ndarray):
   assert np.abs(decoded.astype(int) - expected).max() <= DECODERS_DIFFER
 
 
+def turned(encoded) -> tf.Tensor:
+  """The image of `encoded` decoded and turned at once as its EXIF orientation shows it."""
+  return orientation.upright(image_ops.decode_image(encoded), orientation.exif_orientation(encoded))
+
+
 def decoded_upright(encoded: bytes) -> np.ndarray:
-  return image_ops.decode_image(tf.constant(encoded), upright=True).numpy()
+  return turned(tf.constant(encoded)).numpy()
 
 
 @pytest.fixture(scope='module')
@@ -103,7 +109,26 @@ def test_a_damaged_exif_block_never_raises_and_never_reads_past_its_end(pixels):
 
 def test_upright_turns_in_a_traced_dataset_map(pixels):
   encoded = [jpeg(pixels, exif_block(value)) for value in ORIENTATIONS]
-  shapes = tf.data.Dataset.from_tensor_slices(encoded).map(
-      lambda e: tf.shape(image_ops.decode_image(e, shorter_side=12, upright=True)))
-  # Decoded at half size (its shorter side 12 px), then turned.
-  assert [tuple(s) for s in shapes.as_numpy_iterator()] == [(12, 20, 3)] * 4 + [(20, 12, 3)] * 4
+  shapes = tf.data.Dataset.from_tensor_slices(encoded).map(lambda e: tf.shape(turned(e)))
+  assert [tuple(s) for s in shapes.as_numpy_iterator()] == [(24, 40, 3)] * 4 + [(40, 24, 3)] * 4
+
+
+@pytest.mark.parametrize('resize', [None, 30])
+def test_preprocessing_sizes_a_stored_image_then_turns_it_as_if_it_were_upright(pixels, resize):
+  """Sized in its stored frame and turned at the end (cheap: the image is small by then), each
+  orientation's image is evaluated, and trained without a random crop or flip, as its upright
+  image is, to float rounding, at a crop whose sides differ."""
+  pp = ml_collections.ConfigDict(dict(crop=(20, 12), resize=resize, inception_crop=False,
+                                      flip=False))
+  for value in ORIENTATIONS:
+    encoded = tf.constant(jpeg(pixels, exif_block(value)))
+    stored, turn = image_ops.decode_image(encoded), orientation.exif_orientation(encoded)
+    upright = turned(encoded)
+    evaluated = image_ops.preprocess_eval(stored, pp, turn).numpy()
+    assert evaluated.shape == (20, 12, 3)
+    np.testing.assert_allclose(evaluated, image_ops.preprocess_eval(upright, pp).numpy(),
+                               atol=1e-5, err_msg=str(value))
+    key = tf.constant([0, 1], tf.int64)
+    np.testing.assert_allclose(image_ops.preprocess_train(stored, key, pp, turn).numpy(),
+                               image_ops.preprocess_train(upright, key, pp).numpy(), atol=1e-5,
+                               err_msg=str(value))

@@ -17,6 +17,7 @@ from PIL import Image
 import tensorflow as tf
 
 from vit_jax.data import image_ops
+from vit_jax.data import orientation
 from vit_jax.data import shards
 from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
                                       shown_size, subfolders, visible)
@@ -37,11 +38,22 @@ FLAT_SPLITS = ('train', 'test')
 FLAT_TEST_FRACTION = 0.1
 
 
-def decode_image_file(path: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
-  """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file: string () -> uint8 (height, width, 3), a
-  large JPEG scaled down to `shorter_side` or more and turned as its EXIF orientation shows it
-  (image_ops.decode_image), as image viewers and `predict` show it."""
-  return image_ops.decode_image(tf.io.read_file(path), shorter_side, upright=True)
+def decode_image_file(path: tf.Tensor,
+                      shorter_side: Optional[int] = None) -> tuple[tf.Tensor, tf.Tensor]:
+  """Reads and decodes a JPEG/PNG/BMP/GIF/WebP file (shards.Shard.decode): string () -> (uint8
+  (height, width, 3) as stored, a large JPEG scaled down to `shorter_side` or more
+  (image_ops.decode_image); int32 () its EXIF orientation, by which preprocessing turns it as
+  image viewers and `predict` show it)."""
+  encoded = tf.io.read_file(path)
+  return image_ops.decode_image(encoded, shorter_side), orientation.exif_orientation(encoded)
+
+
+def decode_upright_file(path: tf.Tensor,
+                        shorter_side: Optional[int] = None) -> tuple[tf.Tensor, None]:
+  """`decode_image_file`, the image turned as shown at once (no orientation left to apply): for
+  labels per pixel, whose mask labels the image as shown."""
+  image, turn = decode_image_file(path, shorter_side)
+  return orientation.upright(image, turn), None
 
 
 def _check_decode(path: tf.Tensor) -> tf.Tensor:
@@ -364,7 +376,8 @@ class FolderSource(shards.ArraySource):
         paths, labels = _drop_undecodable(f'{directory} split {name!r}', paths, labels)
       return paths, labels
 
-    super().__init__(directory, train_classes, load_split, decode_image_file, multi_label,
+    decode = decode_upright_file if per_pixel else decode_image_file
+    super().__init__(directory, train_classes, load_split, decode, multi_label,
                      per_pixel, decode_label)
 
   def _item_bytes(self, items: np.ndarray) -> bytes:

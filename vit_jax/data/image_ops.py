@@ -21,24 +21,15 @@ _RANDAUG = 1  # Folded into an example's augmentation key for RandAugment's.
 JPEG_SCALE_DOWNS = (1, 2, 4, 8)
 
 
-def decode_image(encoded: tf.Tensor, shorter_side: Optional[int] = None,
-                 upright: bool = False) -> tf.Tensor:
-  """Encoded JPEG/PNG/BMP/GIF/WebP bytes -> uint8 (height, width, 3).
+def decode_image(encoded: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
+  """Encoded JPEG/PNG/BMP/GIF/WebP bytes -> uint8 (height, width, 3), as stored (a JPEG's EXIF
+  orientation: `orientation`, which preprocessing applies after it has shrunk the image).
 
   With `shorter_side` (`shorter_side_needed`), a JPEG is decoded scaled down by the largest r of
   JPEG_SCALE_DOWNS that keeps its shorter side at least that long: a 12-megapixel photo for a
   model of 64 px decodes at an eighth of each side, in a fraction of the time, and its
-  preprocessing still reads at least the pixels it keeps. With `upright`, a JPEG is turned as its
-  EXIF orientation shows it (`orientation`): height and width swap for a photo taken sideways.
+  preprocessing still reads at least the pixels it keeps.
   """
-  decoded = _decode(encoded, shorter_side)
-  if not upright:
-    return decoded
-  return orientation.upright(decoded, orientation.exif_orientation(encoded))
-
-
-def _decode(encoded: tf.Tensor, shorter_side: Optional[int]) -> tf.Tensor:
-  """`decode_image` of the pixels as stored."""
   def whole():
     return tf.io.decode_image(encoded, channels=3, expand_animations=False)
 
@@ -101,10 +92,29 @@ def resize_short_side(image: tf.Tensor, size: int, method: str = 'bilinear') -> 
   return _resized(image, new_shape, method)
 
 
-def central_crop(image: tf.Tensor, size) -> tf.Tensor:
-  """(height, width, C), each at least the side of `size` (a side, or (h, w)) -> (h, w, C)
-  from the centre."""
-  return tf.image.resize_with_crop_or_pad(image, *blank.image_hw(size))
+def central_crop(image: tf.Tensor, sides) -> tf.Tensor:
+  """(height, width, C), each at least the sides `sides` (h, w) -> (h, w, C) from the centre."""
+  return tf.image.resize_with_crop_or_pad(image, *sides)
+
+
+def _sides_as_stored(size, turn: Optional[tf.Tensor]) -> tuple:
+  """(h, w) of `size` (a side, or (h, w)) in the frame of an image whose EXIF orientation is
+  `turn` (int32 (); None: none): h and w swap where it is shown transposed (5 to 8), so that the
+  image sized so in its stored frame shows at `size`."""
+  height, width = blank.image_hw(size)
+  if turn is None:
+    return height, width
+  transposed = turn >= 5
+  return tf.where(transposed, width, height), tf.where(transposed, height, width)
+
+
+def _shown(image: tf.Tensor, size, turn: Optional[tf.Tensor]) -> tf.Tensor:
+  """`image`, sized by `_sides_as_stored(size, turn)`, turned as its EXIF orientation `turn` shows
+  it (orientation.upright): (h, w, C), the sides of `size`. Turning it once it is this small
+  costs a fraction of turning the photo as decoded."""
+  if turn is not None:
+    image = orientation.upright(image, turn)
+  return tf.ensure_shape(image, [*blank.image_hw(size), image.shape[-1]])
 
 
 def inception_crop(image: tf.Tensor, key: tf.Tensor,
@@ -128,14 +138,19 @@ def inception_crop(image: tf.Tensor, key: tf.Tensor,
   return crop
 
 
-def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp) -> tf.Tensor:
+def preprocess_train(image: tf.Tensor, key: tf.Tensor, pp,
+                     turn: Optional[tf.Tensor] = None) -> tf.Tensor:
   """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`
   (`blank.image_hw`), augmented by `key`:
-  crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8."""
+  crop, flip, then RandAugment (`pp.randaug`) on the pixels rounded to uint8.
+
+  An image stored turned (its EXIF orientation `turn`, int32 ()) is cropped and resized in its
+  stored frame and then turned: the crop's area and aspect ratio (uniform in log scale over a
+  range symmetric about 1) are drawn as they would be in the upright frame."""
   crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
   if pp.get('inception_crop', True):
     image = inception_crop(image, crop_key, pp.get('area_min', INCEPTION_AREA_MIN))
-  image = resize(image, pp.crop)
+  image = _shown(_resized(image, _sides_as_stored(pp.crop, turn), 'bilinear'), pp.crop, turn)
   if pp.get('flip', True):
     image = tf.image.stateless_random_flip_left_right(image, flip_key)
   if pp.get('randaug'):
@@ -164,20 +179,24 @@ def preprocess_train_per_pixel(image: tf.Tensor, labels: tf.Tensor, key: tf.Tens
   return to_unit_range(image), labels
 
 
-def eval_size(image: tf.Tensor, pp, method: str = 'bilinear') -> tf.Tensor:
+def eval_size(image: tf.Tensor, pp, method: str = 'bilinear',
+              turn: Optional[tf.Tensor] = None) -> tf.Tensor:
   """(height, width, C) -> (h, w, C), (h, w) the sides of `pp.crop`: resized to that, or with
   `pp.resize` its short side resized to pp.resize and the centre cropped; `method` as `resize`
-  takes it."""
+  takes it. An image stored turned (its EXIF orientation `turn`) is sized in its stored frame,
+  then turned: as its upright image would be sized."""
+  sides = _sides_as_stored(pp.crop, turn)
   if pp.get('resize'):
-    image = central_crop(resize_short_side(image, pp.resize, method), pp.crop)
+    image = central_crop(resize_short_side(image, pp.resize, method), sides)
   else:
-    image = resize(image, pp.crop, method)
-  return tf.ensure_shape(image, [*blank.image_hw(pp.crop), image.shape[-1]])
+    image = _resized(image, sides, method)
+  return _shown(image, pp.crop, turn)
 
 
-def preprocess_eval(image: tf.Tensor, pp) -> tf.Tensor:
-  """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`."""
-  return to_unit_range(eval_size(image, pp))
+def preprocess_eval(image: tf.Tensor, pp, turn: Optional[tf.Tensor] = None) -> tf.Tensor:
+  """uint8 (height, width, 3) -> float32 (h, w, 3) in [-1, 1], (h, w) the sides of `pp.crop`;
+  `turn` as `eval_size` takes it."""
+  return to_unit_range(eval_size(image, pp, turn=turn))
 
 
 def preprocess_eval_per_pixel(image: tf.Tensor, labels: tf.Tensor,

@@ -29,7 +29,9 @@ Preprocessing (`config.pp`), as in the ViT paper: training takes an Inception-st
 like the rest by `(config.seed, g)`); evaluation resizes to `pp.crop`, or resizes the short side
 to `pp.resize` and takes the central `pp.crop` square. Resizes that shrink are antialiased, and a
 large JPEG is decoded at the smallest of libjpeg's scales that still holds the pixels these take
-(`image_ops.decode_image`; not for labels per pixel). Images are float32 in [-1, 1], labels
+(`image_ops.decode_image`; not for labels per pixel). A JPEG of an image folder is cropped and
+sized as stored, then turned as its EXIF orientation shows it (`orientation`), once it is small.
+Images are float32 in [-1, 1], labels
 int32 class indices (the loss takes them as they are, or one-hot via
 `jax.nn.one_hot(label, num_classes)`), or for multi-label data (an image folder with a
 labels.csv, a tfds label that is a sequence) float32 multi-hot rows (num_classes,).
@@ -169,12 +171,12 @@ def train_dataset(config, *, process_index: int, process_count: int,
 
   def preprocess(position, record):
     key = image_ops.random_key(config.seed, stream, _AUGMENT, position)
-    image = shard.decode(record['image'], shorter_side)
+    image, turn = shard.decode(record['image'], shorter_side)
     label = shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Cropped, resized and flipped with the image.
       image, label = image_ops.preprocess_train_per_pixel(image, label, key, config.pp)
     else:
-      image = image_ops.preprocess_train(image, key, config.pp)
+      image = image_ops.preprocess_train(image, key, config.pp, turn)
     return {'image': image, 'label': _label(label, source.multi_label)}
 
   records = tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(shards.as_written(epoch))
@@ -202,12 +204,12 @@ def eval_dataset(config, *, process_index: int, process_count: int) -> tf.data.D
   shorter_side = _shorter_side(source, config.pp, train=False)
 
   def preprocess(record):
-    image = shard.decode(record['image'], shorter_side)
+    image, turn = shard.decode(record['image'], shorter_side)
     label = shard.decode_label(record['label'])
     if source.per_pixel_labels:  # Sized as the image is.
       image, label = image_ops.preprocess_eval_per_pixel(image, label, config.pp)
     else:
-      image = image_ops.preprocess_eval(image, config.pp)
+      image = image_ops.preprocess_eval(image, config.pp, turn)
     return {'image': image, 'label': _label(label, source.multi_label), 'mask': tf.constant(1.0)}
 
   examples = shard.epoch(None).map(

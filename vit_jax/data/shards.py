@@ -28,15 +28,17 @@ class Shard:
       `{'image': undecoded image, 'label': int64 () class, int64 (C,) multi-hot of a
       multi-label source, or per pixel int64 (height, width) or the string path of a mask
       file}`; shuffled by the stateless key (int64 (2,)) or, for `key=None`, in the stored order.
-    decode: (undecoded image, shorter side needed in pixels or None) -> uint8 (height, width,
-      3), a large image decoded at a smaller size where its format allows and a side is given
-      (image_ops.decode_image).
+    decode: (undecoded image, shorter side needed in pixels or None) -> (uint8 (height, width,
+      3), its EXIF orientation): a large image decoded at a smaller size where its format
+      allows and a side is given (image_ops.decode_image), as stored; the orientation an int32
+      () that preprocessing turns the image by once it has sized it (image_ops.preprocess_train,
+      preprocess_eval), or None for sources whose images are stored as shown.
     decode_label: a record's label -> the label as preprocessing takes it: the labels per pixel
       (height, width) of a mask file's path; the label itself for all others.
   """
   num_examples: int
   epoch: Callable[[Optional[tf.Tensor]], tf.data.Dataset]
-  decode: Callable[[tf.Tensor, Optional[int]], tf.Tensor]
+  decode: Callable[[tf.Tensor, Optional[int]], tuple[tf.Tensor, Optional[tf.Tensor]]]
   decode_label: Callable[[tf.Tensor], tf.Tensor]
 
 
@@ -88,7 +90,9 @@ class ArraySource:
 
   def __init__(self, name: str, label_names: list[str],
                load_split: Callable[[str], tuple[np.ndarray, np.ndarray]],
-               decode: Callable[[tf.Tensor], tf.Tensor], multi_label: bool = False,
+               decode: Callable[[tf.Tensor, Optional[int]],
+                                tuple[tf.Tensor, Optional[tf.Tensor]]],
+               multi_label: bool = False,
                per_pixel_labels: bool = False,
                decode_label: Callable[[tf.Tensor], tf.Tensor] = stored_label):
     self.name = name

@@ -21,10 +21,11 @@ from vit_jax.data import shards
 from vit_jax.data import tfds_source
 
 
-def _grey_to_rgb(image: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
-  """uint8 (height, width) -> uint8 (height, width, 3); pixels, already decoded at their size."""
+def _grey_to_rgb(image: tf.Tensor, shorter_side: Optional[int] = None) -> tuple[tf.Tensor, None]:
+  """(uint8 (height, width) -> uint8 (height, width, 3), no orientation); pixels, already decoded
+  at their size (shards.Shard.decode)."""
   del shorter_side
-  return tf.image.grayscale_to_rgb(image[..., None])
+  return tf.image.grayscale_to_rgb(image[..., None]), None
 
 
 def embedded_source() -> shards.ArraySource:

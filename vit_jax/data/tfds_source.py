@@ -139,8 +139,10 @@ class TfdsSource:
     return shards.Shard(self.num_examples(process_split), epoch, self.decode, shards.stored_label)
 
   @staticmethod
-  def decode(encoded: tf.Tensor, shorter_side: Optional[int] = None) -> tf.Tensor:
-    return image_ops.decode_image(encoded, shorter_side)
+  def decode(encoded: tf.Tensor, shorter_side: Optional[int] = None) -> tuple[tf.Tensor, None]:
+    """The image as its builder stored it (shards.Shard.decode): tfds' datasets are read, as
+    their published recipes read them, without EXIF orientation."""
+    return image_ops.decode_image(encoded, shorter_side), None
 
   def check_decodable(self, split: str) -> None:
     """Does nothing: tfds wrote the records it prepared, and reading them all would be slow."""

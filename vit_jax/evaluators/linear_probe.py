@@ -292,8 +292,9 @@ def selected_images(config, split: str, positions: np.ndarray, batch: int) -> It
 
   def preprocess(position, record):
     del position
-    image = shard.decode(record['image'], image_ops.shorter_side_needed(config.pp, train=False))
-    return image_ops.preprocess_eval(image, config.pp)
+    image, turn = shard.decode(record['image'],
+                               image_ops.shorter_side_needed(config.pp, train=False))
+    return image_ops.preprocess_eval(image, config.pp, turn)
 
   images = shard.epoch(None).enumerate().filter(shards.as_written(is_wanted)).map(
       shards.as_written(preprocess), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
