@@ -31,10 +31,9 @@ to `pp.resize` and takes the central `pp.crop` square. Resizes that shrink are a
 large JPEG is decoded at the smallest of libjpeg's scales that still holds the pixels these take
 (`image_ops.decode_image`; not for labels per pixel). A JPEG of an image folder is cropped and
 sized as stored, then turned as its EXIF orientation shows it (`orientation`), once it is small.
-Images are float32 in [-1, 1], labels
-int32 class indices (the loss takes them as they are, or one-hot via
-`jax.nn.one_hot(label, num_classes)`), or for multi-label data (an image folder with a
-labels.csv, a tfds label that is a sequence) float32 multi-hot rows (num_classes,).
+Images are float32 in [-1, 1], labels int32 class indices (the loss takes them as they are, or
+one-hot via `jax.nn.one_hot(label, num_classes)`), or for multi-label data (an image folder with
+a labels.csv, a tfds label that is a sequence) float32 multi-hot rows (num_classes,).
 """
 import collections
 import dataclasses
