@@ -1,5 +1,6 @@
 """Tests of vit_jax/data/orientation.py: JPEGs that carry an EXIF orientation, in both of TIFF's
-byte orders, turned upright as PIL's ImageOps.exif_transpose turns them."""
+byte orders, turned upright as PIL's ImageOps.exif_transpose turns them; and preprocessing
+(image_ops) that sizes such an image as stored, then turns it, as if it had been upright."""
 import io
 import struct
 
