@@ -29,6 +29,7 @@ from PIL import Image
 from vit_jax import hardware
 from vit_jax.data import pipeline
 from vit_jax.data import embedded
+from vit_jax.data import image_files
 from vit_jax.models import registry
 
 
@@ -44,7 +45,7 @@ def write_image_folder(root: str, images_per_class: int, size: int, orientation:
   """Writes embedded Fashion-MNIST images, upscaled to size x size RGB JPEGs, as an image folder;
   with an `orientation` other than 1, each JPEG carries that EXIF orientation tag."""
   tags = Image.Exif()
-  tags[0x0112] = orientation  # EXIF's Orientation tag.
+  tags[image_files.EXIF_ORIENTATION] = orientation
   exif = tags.tobytes() if orientation != 1 else b''
   with np.load(embedded.PATH) as data:
     images, labels, names = data['train_images'], data['train_labels'], data['label_names']
@@ -106,7 +107,7 @@ def main():
   parser.add_argument('--folder_image_size', type=int, default=384)
   parser.add_argument('--orientation', type=int, default=1,
                       help="The EXIF orientation tag of the folder's JPEGs (1: none; 6: a phone "
-                      'held upright, turned when decoded).')
+                      'held upright, turned as it is read).')
   parser.add_argument('--model', default='ViT-S_16')
   parser.add_argument('--step_batch', type=int, default=16)
   parser.add_argument('--steps', type=int, default=3)
@@ -118,7 +119,8 @@ def main():
       pipeline_config(embedded.DATASET, args.crop, args.batch), mesh, args.batches)
   print(f'pipeline, embedded 28 px -> {args.crop} px: {arrays:8.1f} img/s')
   with tempfile.TemporaryDirectory() as root:
-    write_image_folder(root, 32, args.folder_image_size, args.orientation)
+    write_image_folder(root, images_per_class=32, size=args.folder_image_size,
+                       orientation=args.orientation)
     config = pipeline_config(root, args.crop, args.batch)
     start, cpu = time.perf_counter(), time.process_time()
     num_test = pipeline.get_dataset_info(config).num_test

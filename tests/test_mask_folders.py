@@ -9,6 +9,7 @@ from PIL import Image
 import pytest
 
 import helpers
+from vit_jax.data import image_files
 from vit_jax.data import pipeline
 from vit_jax.data import shards
 from vit_jax.errors import ConfigError
@@ -160,7 +161,7 @@ def test_a_photo_taken_sideways_pairs_with_a_mask_of_the_photo_as_shown(folder):
   shown = np.asarray(Image.open(folder / 'test' / 'images' / 'd.png'))  # 24 x 40, as labelled.
   os.remove(folder / 'test' / 'images' / 'd.png')
   exif = Image.Exif()
-  exif[0x0112] = 6
+  exif[image_files.EXIF_ORIENTATION] = 6
   Image.fromarray(np.rot90(shown)).save(folder / 'test' / 'images' / 'd.jpg', quality=100,
                                         subsampling=0, exif=exif.tobytes())
   assert Image.open(folder / 'test' / 'images' / 'd.jpg').size == (24, 40)  # Stored 40 x 24.

@@ -17,11 +17,12 @@ the tag, damaged or cut short, or not a JPEG, reads as `AS_STORED`, and costs on
 """
 import tensorflow as tf
 
+from vit_jax.data import image_files
+
 AS_STORED = 1  # The orientation of an image without the tag: show the pixels as stored.
 WINDOW = 4096  # Bytes read from the start of a file: its SOI, APP0 and APP1 headers and IFD0.
 _EXIF_HEADER = b'Exif\x00\x00'  # Starts the data of the APP1 segment that holds EXIF.
 _APP1 = b'\xff\xe1'  # Its marker, before the segment's 2 length bytes.
-_ORIENTATION_TAG = 0x0112
 _MAX_ENTRIES = 64  # Entries of IFD0 searched for the tag; a camera's IFD0 has about a dozen.
 _ENTRY_SHORTS = 6  # 12 bytes: tag, type, count (2 shorts), value (left-aligned) or its offset.
 
@@ -59,7 +60,7 @@ def _tagged_orientation(head: tf.Tensor, before: tf.Tensor, tiff: tf.Tensor) -> 
   entries = tf.reshape(numbers(ifd0 + 2, _MAX_ENTRIES * _ENTRY_SHORTS),
                        [_MAX_ENTRIES, _ENTRY_SHORTS])
   is_tag = ((tf.range(_MAX_ENTRIES, dtype=tf.int64) < numbers(ifd0, 1)[0]) &
-            tf.equal(entries[:, 0], _ORIENTATION_TAG))
+            tf.equal(entries[:, 0], image_files.EXIF_ORIENTATION))
   value = tf.cast(tf.reduce_max(tf.where(is_tag, entries[:, 4], 0)), tf.int32)
   found = ((header >= 4) & tf.equal(app1, _APP1) & (little | tf.equal(order, b'MM')) &
            (value >= 1) & (value <= 8))
