@@ -1,5 +1,6 @@
-"""Test setup: 4 simulated CPU devices, quick XLA compilation and one XLA compilation cache, set
-before anything imports jax; shared fixtures. The helpers that test files import are in helpers.py.
+"""Test setup: 4 simulated CPU devices, quick XLA compilation, one XLA compilation cache and this
+checkout first on the path, set before anything imports jax; shared fixtures. The helpers that
+test files import are in helpers.py.
 """
 import atexit
 import fcntl
@@ -21,6 +22,12 @@ os.environ['XLA_FLAGS'] = ' '.join(
      if flag not in QUICK_COMPILE and not flag.startswith(_DEVICES)]
     + list(QUICK_COMPILE) + [f'{_DEVICES}=4'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The processes the tests start import the vit_jax of this checkout, as pytest does, whichever
+# checkout an install elsewhere on sys.path points to.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    [_CHECKOUT] + [path for path in os.environ.get('PYTHONPATH', '').split(os.pathsep)
+                   if path and path != _CHECKOUT])
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 # The tests compile the same tiny programs many times, in this process, in pytest-xdist's workers
 # and in the command-line processes they start (all inherit the environment): each compiles once.
