@@ -179,3 +179,33 @@ def test_missing_image_file_is_a_clear_error(tmp_path, capsys):
 def test_workdir_without_model_npz_is_a_clear_error(tmp_path, capsys):
   error = error_of(capsys, ['--checkpoint', str(tmp_path), '--output', str(tmp_path / 'figures')])
   assert error == f'error: No such checkpoint file: {tmp_path / "model.npz"}\n'
+
+
+def test_figures_of_the_same_checkpoint_are_redrawn_and_no_other_file_is_overwritten(tmp_path,
+                                                                                    capsys):
+  model = registry.get_model('testing', num_classes=3)
+  first, second = str(tmp_path / 'first.npz'), str(tmp_path / 'second.npz')
+  save_random_checkpoint(model, 32, first)
+  save_random_checkpoint(model, 32, second)
+  output = tmp_path / 'figures'
+  command = ['--model', 'testing', '--output', str(output), '--figures', 'position_similarity',
+             'embedding_filters']
+  assert visualize.main(['--checkpoint', first, *command]) == 0
+  drawn = (output / 'position_similarity.png').read_bytes()
+  # The same command again draws its figures again, in their place.
+  (output / 'embedding_filters.png').unlink()
+  assert visualize.main(['--checkpoint', first, *command]) == 0
+  assert (output / 'embedding_filters.png').exists()
+  capsys.readouterr()
+  # Another checkpoint's figures, and a file of the user's, stay as they are.
+  assert visualize.main(['--checkpoint', second, *command]) == 1
+  assert capsys.readouterr().err == (
+      f'error: {output}/position_similarity.png exists and is a figure of ../first.npz: move '
+      'it, or give another --output (visualize overwrites only its figures of the same '
+      'checkpoint).\n')
+  assert (output / 'position_similarity.png').read_bytes() == drawn
+  (output / 'embedding_filters.png').write_bytes(b'my own notes')
+  assert visualize.main(['--checkpoint', first, *command]) == 1
+  assert capsys.readouterr().err.startswith(
+      f'error: {output}/embedding_filters.png exists and holds no record of visualize drawing it')
+  assert (output / 'embedding_filters.png').read_bytes() == b'my own notes'

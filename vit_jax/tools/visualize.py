@@ -9,8 +9,10 @@ that vit_jax wrote carry their model's spec; a published `.npz` needs `--model`,
 name. The image size follows from the position embeddings. Without `--images`, the figures
 are drawn on `--num_images` test images of the run's own image folder (a workdir of a run on
 one), else on the first test images of the embedded Fashion-MNIST; image files are framed as
-`predict` frames them. Each figure written is
-printed as its path:
+`predict` frames them. Each figure written is printed as its path. A figure file already in the
+output folder is drawn again only where this command drew it from the same checkpoint (the PNG
+file records which); any other file there is kept, and the command stops first with a line that
+names it.
 
 - attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
   to the patches, over each image.
@@ -51,6 +53,7 @@ from vit_jax.models import positions
 
 FIGURES = ('attention_rollout', 'attention_layers', 'attention_heads', 'position_similarity',
            'mean_attention_distance', 'embedding_filters', 'training_curves')
+SOFTWARE = 'vit_jax.visualize'  # The PNG files' Software text, beside the Source they show.
 MAP_COLORMAP = 'inferno'
 BATCH_SIZE = 8  # Images per forward pass; bounds the memory of the attention stacks.
 NUM_FILTER_COMPONENTS = 28
@@ -351,11 +354,44 @@ def output_folder(args: argparse.Namespace) -> str:
                    'FOLDER for the figures.')
 
 
+def drawn_from(checkpoint: str, output: str) -> str:
+  """What the figures in `output` are drawn from, as their PNG files record it: a published name
+  or URL as given, else the checkpoint's path relative to `output` (which holds for a workdir
+  moved with its figures folder)."""
+  if published.is_name(checkpoint) or '://' in checkpoint:
+    return checkpoint
+  return os.path.relpath(os.path.abspath(checkpoint), os.path.abspath(output))
+
+
+def check_not_overwriting(output: str, names: Sequence[str], source: str) -> None:
+  """Raises a ValueError naming the first figure file of `names` in `output` that visualize did
+  not draw from `source`: a figure of another checkpoint, or a file of the user's. The figures
+  of the same checkpoint are drawn again in their place."""
+  for name in names:
+    path = os.path.join(output, f'{name}.png')
+    if not os.path.lexists(path):
+      continue
+    try:
+      with Image.open(path) as existing:
+        text = getattr(existing, 'text', {})
+    except (OSError, ValueError):
+      text = {}
+    if text.get('Software') == SOFTWARE and text.get('Source') == source:
+      continue
+    holds = (f'is a figure of {text["Source"]}' if text.get('Software') == SOFTWARE else
+             'holds no record of visualize drawing it')
+    raise ValueError(f'{path} exists and {holds}: move it, or give another --output (visualize '
+                     'overwrites only its figures of the same checkpoint).')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Writes the figures and prints their paths; returns the exit status, 1 for bad input."""
   args = parse_args(argv)
   try:
     output = output_folder(args)
+    source = drawn_from(args.checkpoint, output)
+    check_not_overwriting(output, [name for name in args.figures if name != 'training_curves'
+                                   or os.path.isdir(args.checkpoint)], source)
     figures = draw_figures(args)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
@@ -364,7 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for figure_name in FIGURES:
     if figure_name in figures:
       path = os.path.join(output, f'{figure_name}.png')
-      figures[figure_name].savefig(path, dpi=100)
+      figures[figure_name].savefig(path, dpi=100,
+                                   metadata={'Software': SOFTWARE, 'Source': source})
       print(path)
   return 0
 
