@@ -299,7 +299,7 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
   status, output = run('vit_jax.convert', hf_dir / 'model.safetensors', tmp_path / 'timm.npz')
   assert status == 1
   assert last_line(output) == (f'error: {tmp_path}/timm.npz exists: give another output, or '
-                               'delete it first.')
+                               'move it away first (nothing is overwritten).')
   assert (tmp_path / 'timm.npz').read_bytes() == before
   assert convert.main([str(timm_file), str(hf_dir)]) == 1  # A folder: one line, not a traceback.
 

@@ -255,7 +255,7 @@ def test_refusal_and_existing_output_are_one_line_errors_that_write_nothing(gap,
   (tmp_path / 'mine.safetensors').write_text('precious')
   assert export.main(['--checkpoint', workdir, '--format', 'timm',
                       '--out', str(tmp_path / 'mine.safetensors')]) == 1
-  assert 'mine.safetensors exists: pass another --out' in capsys.readouterr().err
+  assert 'mine.safetensors exists: give another --out' in capsys.readouterr().err
   assert (tmp_path / 'mine.safetensors').read_text() == 'precious'
   assert export.main(['--checkpoint', workdir, '--format', 'timm', '--labels', 'imagenet2012',
                       '--out', str(tmp_path / 'new.safetensors')]) == 1

@@ -135,6 +135,12 @@ def test_command_prints_a_table_and_writes_json_on_the_embedded_data(tiny_workdi
     assert len(results[k]['accuracy']) == 2 and f'\n    {k}  ' in printed
   # Even random features of Fashion-MNIST separate its classes well above chance (10%).
   assert results['5']['mean'] > 0.3 and results['5']['mean'] > results['1']['mean']
+  # The results of that evaluation are kept: the same --out again is refused at once.
+  written = out.read_text()
+  assert fewshot_command.main(['--checkpoint', str(tiny_workdir), '--out', str(out)]) == 1
+  assert capsys.readouterr().err == (f'error: {out} exists: give another --out, or move it away '
+                                     'first (nothing is overwritten).\n')
+  assert out.read_text() == written
 
 
 def test_command_frames_the_images_as_the_models_run_evaluated_them(tmp_path, capsys):

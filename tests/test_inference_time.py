@@ -69,6 +69,15 @@ def test_bad_arguments_name_the_flag(flags, message, capsys):
   assert message in str(exit_status.value.code)
 
 
+def test_an_existing_out_is_kept_and_named_before_anything_runs(tmp_path):
+  (tmp_path / 'b16.json').write_text('{"images_per_second": 3137}')
+  with pytest.raises(SystemExit) as exit_status:
+    inference_time.main(FAST + ['--out', str(tmp_path / 'b16.json')])
+  assert exit_status.value.code == (f'error: {tmp_path}/b16.json exists: give another --out, or '
+                                    'move it away first (nothing is overwritten).')
+  assert (tmp_path / 'b16.json').read_text() == '{"images_per_second": 3137}'
+
+
 def test_runs_where_the_backend_counts_no_flops(tmp_path, monkeypatch):
   # XLA:GPU's lowering gives no cost analysis (jax 0.11, CUDA 13): the count must not need one.
   monkeypatch.setattr(jax.stages.Lowered, 'cost_analysis', lambda self: None)

@@ -88,6 +88,15 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
                 'FLOPs per step', 'roofline step', 'roofline images/s', 'compile'):
     assert label in labels, label
   assert len({len(line) for line in rows}) == 1
+  # The plan is kept: the same command again stops before it compiles anything.
+  written = out.read_text()
+  again = subprocess.run([sys.executable, '-m', 'vit_jax.plan', f'--config={TINY_CONFIG}',
+                          '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+  assert again.returncode == 1 and out.read_text() == written
+  assert again.stderr.strip().splitlines()[-1] == (
+      f'Plan error: {out} exists: give another --out, or move it away first (nothing is '
+      'overwritten).')
   assert rows[labels.index('HBM')].endswith(' 14.90 GiB')  # 16 GB.
   assert rows[labels.index('fits')].endswith(' yes')
 

@@ -174,7 +174,21 @@ def test_a_folder_stands_for_its_images_and_out_writes_them_to_a_new_csv_file(fi
   # Nothing is overwritten; a folder without images is one line.
   assert predict.main([*command, '--out', str(out), str(folder)]) == 1
   assert capsys.readouterr().err == (
-      f'error: --out={out} exists: give a new file name (predict does not overwrite it).\n')
+      f'error: {out} exists: give another --out, or move it away first (nothing is '
+      'overwritten).\n')
   (tmp_path / 'empty').mkdir()
   assert predict.main([*command, str(tmp_path / 'empty')]) == 1
   assert capsys.readouterr().err.startswith(f'error: The folder {tmp_path}/empty holds no .jpg')
+
+
+def test_images_that_would_write_the_same_mask_are_named_before_the_model_loads(tmp_path, capsys):
+  for folder in ('a', 'b'):
+    (tmp_path / folder).mkdir()
+    shutil.copy(PHOTOS[0], tmp_path / folder / 'photo.jpg')
+  # No checkpoint at all: the masks are checked first.
+  assert predict.main(['--checkpoint', str(tmp_path / 'none'), '--masks', str(tmp_path / 'masks'),
+                       str(tmp_path / 'a' / 'photo.jpg'), str(tmp_path / 'b' / 'photo.jpg')]) == 1
+  assert capsys.readouterr().err == (
+      f'error: {tmp_path}/a/photo.jpg and {tmp_path}/b/photo.jpg would both write their mask to '
+      f'{tmp_path}/masks/photo.png: predict them with --masks folders of their own.\n')
+  assert not (tmp_path / 'masks').exists()

@@ -319,6 +319,12 @@ def test_the_segmentation_config_fine_tunes_a_classifier_on_the_command_line(tmp
   assert f'{image} (56x56 px, pixels per class):' in printed and '(0)' in printed
   mask = np.asarray(Image.open(tmp_path / 'masks' / 'canvas.png'))
   assert mask.shape == (56, 56) and mask.max() < 11
+  # The mask is kept: predicting into the same folder again is refused before anything runs.
+  assert predict.main(['--checkpoint', str(workdir), '--masks', str(tmp_path / 'masks'),
+                       str(image)]) == 1
+  assert capsys.readouterr().err == (
+      f"error: {tmp_path / 'masks' / 'canvas.png'} exists: give another --masks, or move it away "
+      'first (nothing is overwritten).\n')
   assert predict.main(['--checkpoint', str(workdir), '--image_size', '63', str(image)]) == 1
   assert 'error: Image size 63x63 is not a whole number of the 28 px tiles' in (
       capsys.readouterr().err)

@@ -32,6 +32,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax.checkpoints import finetune
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import runs
@@ -243,13 +244,12 @@ def _check_against_registry(params: dict, model, model_name: str, source: str) -
 
 
 def check_output(path: str) -> None:
-  """A FileExistsError unless `path` is free for the converted .npz: an existing file or folder
-  is never overwritten."""
+  """A FileExistsError or errors.OutputExistsError unless `path` is free for the converted .npz:
+  an existing file or folder is never overwritten."""
   if os.path.isdir(path):
     raise FileExistsError(f'{path} is a folder: give the path of the .npz file to write, e.g. '
                           f'{os.path.join(path, "model.npz")}.')
-  if os.path.exists(path):
-    raise FileExistsError(f'{path} exists: give another output, or delete it first.')
+  errors.check_new_output(path, 'output')
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -37,6 +37,7 @@ import numpy as np
 import safetensors.numpy
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax.checkpoints import npz
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
@@ -305,8 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
     out = args.out or default_out(args.checkpoint, args.format)
-    if os.path.exists(out):
-      raise FileExistsError(f'{out} exists: pass another --out, or delete it first.')
+    errors.check_new_output(out)
     if args.labels and args.format != 'hf':
       raise ValueError(f'--labels goes into Hugging Face\'s config.json only; --format '
                        f'{args.format} has no place for class names: drop --labels.')

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax import hardware
 from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
@@ -96,7 +97,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--batch', type=int, default=256,
                       help='Images per feature batch, a multiple of the device count.')
   parser.add_argument('--tfds_data_dir', help='Where tfds datasets are prepared.')
-  parser.add_argument('--out', help='Write the results as JSON to this file.')
+  parser.add_argument('--out', help='Write the results as JSON to this new file.')
   return parser.parse_args(argv)
 
 
@@ -115,6 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   try:
+    if args.out:
+      errors.check_new_output(args.out)
     shots = parse_shots(args.shots) if args.shots else None
     if args.batch % jax.device_count():
       raise ValueError(f'--batch={args.batch} is not divisible by the {jax.device_count()} '

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax import hardware
 from vit_jax.config import defaults
 from vit_jax.models import blank
@@ -218,11 +219,16 @@ def format_result(r: dict) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-  """Exits with status 1 and a one-line message for a model, batch, attention kernel or image
-  size that cannot run."""
+  """Exits with status 1 and a one-line message for an --out that exists, or a model, batch,
+  attention kernel or image size that cannot run."""
   if args.model not in registry.MODEL_CONFIGS:
     sys.exit(f'error: --model {args.model!r} is unknown; choose one of '
              f'{", ".join(registry.MODEL_CONFIGS)}.')
+  if args.out:
+    try:
+      errors.check_new_output(args.out)
+    except errors.OutputExistsError as e:
+      sys.exit(f'error: {e}')
   if args.batch < 1 or args.rounds < 1:
     sys.exit(f'error: --batch {args.batch} and --rounds {args.rounds} must be at least 1.')
   if error := attention_kernels.attention_error(args.attention, jax.default_backend()):
@@ -260,7 +266,7 @@ def main(argv=None):
                       help='About how long each timed round runs (at least one step).')
   parser.add_argument('--peak_size', type=int, default=2048,
                       help='Side of the matmul that measures the peak where none is published.')
-  parser.add_argument('--out', help='Also write the figures as one JSON object to this file.')
+  parser.add_argument('--out', help='Also write the figures as one JSON object to this new file.')
   args = parser.parse_args(argv)
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   check_args(args)

@@ -20,6 +20,7 @@ from absl import app
 from absl import flags
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax import hardware
 from vit_jax import tpu_topologies
 from vit_jax.config import checks
@@ -36,7 +37,7 @@ flags.DEFINE_integer('num_classes', None, "Classes of the model's head; default:
 flags.DEFINE_bool('multi_label', False, 'Plan for multi-label data, as main trains an image '
                   'folder with a labels.csv or a tfds dataset whose label is a sequence: labels '
                   'as multi-hot rows of num_classes.')
-flags.DEFINE_string('out', None, 'Also write the plan as JSON to this file.')
+flags.DEFINE_string('out', None, 'Also write the plan as JSON to this new file.')
 # One --log_all per process: main and plan each define it, and a process may import both.
 if 'log_all' not in flags.FLAGS:
   flags.DEFINE_bool('log_all', False, 'Show every library\'s INFO lines in absl\'s format (as '
@@ -127,9 +128,11 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   console.setup(flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
   try:
+    if flags.FLAGS.out:
+      errors.check_new_output(flags.FLAGS.out)
     topology = tpu_topologies.parse_topology(flags.FLAGS.topology, flags.FLAGS.slices)
     num_classes = tpu_plan.num_classes_of(flags.FLAGS.config, flags.FLAGS.num_classes)
-  except (tpu_topologies.TopologyError, tpu_plan.PlanError) as e:
+  except (errors.OutputExistsError, tpu_topologies.TopologyError, tpu_plan.PlanError) as e:
     sys.exit(f'Plan error: {e}')
   tpu_topologies.use_tpu_compiler_only(topology)
   try:

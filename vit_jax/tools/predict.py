@@ -29,7 +29,8 @@ classified, and the exit status is 1.
 
 A segmentation model (a run of --config.objective=segmentation) classifies every pixel: for each
 image it prints the classes that cover the most pixels, with their share, and with --masks DIR
-writes DIR/NAME.png, the class id of each pixel (grey levels 0 to C - 1).
+writes DIR/NAME.png, the class id of each pixel (grey levels 0 to C - 1). Neither --out nor a
+mask file may exist already: predict overwrites nothing, and says so before it loads the model.
 """
 import argparse
 import csv
@@ -43,6 +44,7 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax.checkpoints import runs
 from vit_jax.data import image_files
 from vit_jax.models import blank
@@ -118,7 +120,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                       "model was trained at (its run's record, or its position embeddings')")
   parser.add_argument('--top', type=int, default=5, help='classes printed per image')
   parser.add_argument('--masks', help='for a segmentation model: a folder to write each '
-                      "image's predicted classes to, as NAME.png")
+                      "image's predicted classes to, as NAME.png (new files)")
   parser.add_argument('--out', help='a new CSV file to write the predictions to (file, then '
                       'class_1, probability_1, ... of the --top classes), instead of printing '
                       'them')
@@ -141,11 +143,25 @@ def predictor(model, activation=jax.nn.softmax):
   return jax.jit(predict)
 
 
-def write_mask(folder: str, path: str, classes: np.ndarray) -> None:
-  """Writes the class map (H, W) of the image at `path` as FOLDER/NAME.png, 8-bit grey."""
-  os.makedirs(folder, exist_ok=True)
-  name = os.path.splitext(os.path.basename(path))[0]
-  Image.fromarray(classes.astype(np.uint8)).save(os.path.join(folder, f'{name}.png'))
+def mask_files(folder: str, paths: list[str]) -> dict[str, str]:
+  """{image path: FOLDER/NAME.png, where its mask goes}; an OutputExistsError where such a file
+  exists, a ValueError where two images share a NAME."""
+  images = {}  # Of each mask file.
+  for path in paths:
+    mask = os.path.join(folder, os.path.splitext(os.path.basename(path))[0] + '.png')
+    errors.check_new_output(mask, '--masks')
+    if mask in images:
+      raise ValueError(f'{images[mask]} and {path} would both write their mask to {mask}: '
+                       'predict them with --masks folders of their own.')
+    images[mask] = path
+  return {path: mask for mask, path in images.items()}
+
+
+def write_mask(mask: str, classes: np.ndarray) -> None:
+  """Writes a class map (H, W) to the new file `mask` (a .png), 8-bit grey."""
+  os.makedirs(os.path.dirname(mask) or '.', exist_ok=True)
+  with open(mask, 'xb') as f:
+    Image.fromarray(classes.astype(np.uint8)).save(f, format='PNG')
 
 
 def batched_predictions(predict, params, paths: list[str], image_size, resize) -> Iterator[
@@ -177,10 +193,10 @@ def batched_predictions(predict, params, paths: list[str], image_size, resize) -
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
-    if args.out and os.path.exists(args.out):
-      raise ValueError(f'--out={args.out} exists: give a new file name (predict does not '
-                       'overwrite it).')
+    if args.out:
+      errors.check_new_output(args.out)
     paths = image_paths(args.images)
+    masks = mask_files(args.masks, paths) if args.masks else {}
     model, params = runs.load_model(args.checkpoint, args.model)
     trained_size = runs.trained_image_size(args.checkpoint, params, model)
     image_size = args.image_size or trained_size
@@ -210,8 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
       print(f'{path} ({blank.size_text(image_size)} px'
             f'{", pixels per class" if per_pixel else ""}):')
       print('\n'.join(top_k(scores, labels, args.top)))
-    if classes is not None and args.masks:
-      write_mask(args.masks, path, classes)
+    if classes is not None and masks:
+      write_mask(masks[path], classes)
   if args.out:
     write_csv(args.out, rows, min(args.top, len(labels)))
   return 1 if failed else 0
