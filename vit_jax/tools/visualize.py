@@ -9,10 +9,7 @@ that vit_jax wrote carry their model's spec; a published `.npz` needs `--model`,
 name. The image size follows from the position embeddings. Without `--images`, the figures
 are drawn on `--num_images` test images of the run's own image folder (a workdir of a run on
 one), else on the first test images of the embedded Fashion-MNIST; image files are framed as
-`predict` frames them. Each figure written is printed as its path. A figure file already in the
-output folder is drawn again only where this command drew it from the same checkpoint (the PNG
-file records which); any other file there is kept, and the command stops first with a line that
-names it.
+`predict` frames them. Each figure written is printed as its path:
 
 - attention_rollout: attention rollout from the class token (or the token mean of `gap` models)
   to the patches, over each image.
@@ -23,6 +20,10 @@ names it.
 - embedding_filters: the first 28 principal components of the RGB patch-embedding filters
   (of their channel sums, in grey, for a workdir trained on the grey embedded Fashion-MNIST).
 - training_curves: loss, accuracy and learning rate against step (workdirs only).
+
+A figure file already in the output folder is drawn again only where this command drew it from
+the same checkpoint (the PNG file records which); any other file there is kept, and the command
+stops first with a line that names it.
 
 The numbers come from `vit_jax.analysis`; the `plot_*` functions return matplotlib Figures
 (made without pyplot, so no display is needed) for reuse in notebooks.
