@@ -5,18 +5,21 @@ the classes they show (an image folder with a labels.csv is multi-label: docs/tr
   python scripts/build_multilabel_folder.py fashion_scenes
   python -m vit_jax.main --config.dataset=fashion_scenes --config.loss=sigmoid_xent
 
-The output is deterministic: the scenes of each split take the split's images in stored order,
-each image once, and their cells and number of items from a fixed seed. Class names are
-Fashion-MNIST's with spaces as underscores ('Ankle_boot'): labels.csv separates them by spaces.
+The folder must not exist yet. The output is deterministic: the scenes of each split take the
+split's images in stored order, each image once, and their cells and number of items from a fixed
+seed. Class names are Fashion-MNIST's with spaces as underscores ('Ankle_boot'): labels.csv
+separates them by spaces.
 """
 import argparse
 import os
+import sys
 from typing import Iterator
 
 import numpy as np
 from PIL import Image
 
 from vit_jax import console
+from vit_jax import errors
 # vit_jax.data.folders (it imports TensorFlow) is imported where it is used: after the console
 # has quieted TensorFlow's start-up lines.
 
@@ -69,6 +72,11 @@ def main() -> int:
   for split, count in SCENES.items():
     parser.add_argument(f'--{split}', type=int, default=count, help=f'Scenes of {split}.')
   args = parser.parse_args()
+  try:
+    errors.check_new_output(args.folder, 'folder')
+  except errors.OutputExistsError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
   write_folder(args.folder, {split: getattr(args, split) for split in SCENES})
   print(f'Wrote {args.folder}: {args.train} train and {args.test} test scenes, and their '
         'labels.csv.')

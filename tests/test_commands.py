@@ -251,5 +251,13 @@ def test_multilabel_folder_script(tmp_path):
       cwd=tmp_path, capture_output=True, text=True, timeout=300))
   assert output == 'Wrote fashion_scenes: 64 train and 16 test scenes, and their labels.csv.\n'
   assert len(os.listdir(tmp_path / 'fashion_scenes' / 'train')) == 64
-  with open(tmp_path / 'fashion_scenes' / 'labels.csv') as f:
-    assert f.readline() == 'file,labels\n' and len(f.readlines()) == 64 + 16
+  labels = (tmp_path / 'fashion_scenes' / 'labels.csv').read_text()
+  assert labels.startswith('file,labels\n') and len(labels.splitlines()) == 1 + 64 + 16
+  # The folder is kept: the command again is one line.
+  again = subprocess.run([sys.executable, script, 'fashion_scenes', '--train=8', '--test=8'],
+                         env=user_env(), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+  assert again.returncode == 1 and again.stderr == (
+      'error: fashion_scenes exists: give another folder, or move it away first (nothing is '
+      'overwritten).\n')
+  assert (tmp_path / 'fashion_scenes' / 'labels.csv').read_text() == labels
