@@ -34,6 +34,8 @@ from vit_jax.models import registry
 from vit_jax.tools import export
 from vit_jax.tools import predict
 from vit_jax.tools import visualize
+from vit_jax.training import resume
+from vit_jax.training import trainer
 from vit_jax.training import workdirs
 
 TIMEOUT = 300  # Seconds any one process may run.
@@ -180,6 +182,34 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
   assert str(refused.value) == (
       f'--workdir={read_only}/run cannot be written (Read-only file system: {read_only}/run): '
       'give a folder that can be written (it is made if missing).')
+
+
+def test_a_folder_with_a_users_own_model_or_config_is_no_workdir(tmp_path):
+  """A run writes model.npz and config.json: in a folder that holds them but no run, it stops
+  before it trains, and the files stay as they were."""
+  (tmp_path / 'model.npz').write_bytes(b'pretrained weights I downloaded')
+  (tmp_path / 'config.json').write_text('{"project": "mine"}')
+  with pytest.raises(errors.WorkdirError) as refused:
+    trainer.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert str(refused.value) == (
+      f'{tmp_path} holds config.json, model.npz but no checkpoint or config of a vit_jax run, '
+      'and a run there would overwrite them: give another --workdir, or move config.json, '
+      'model.npz away.')
+  assert (tmp_path / 'model.npz').read_bytes() == b'pretrained weights I downloaded'
+  assert (tmp_path / 'config.json').read_text() == '{"project": "mine"}'
+  # What a run leaves: an empty checkpoints folder (stopped before its first checkpoint), a
+  # step of its checkpoints, its config.json, even damaged (its own line reports that).
+  (tmp_path / 'config.json').unlink()
+  (tmp_path / 'model.npz').unlink()
+  (tmp_path / 'checkpoints').mkdir()
+  resume.check_holds_no_other_files(str(tmp_path))
+  (tmp_path / 'checkpoints' / '40').mkdir()
+  (tmp_path / 'model.npz').write_bytes(b'the run\'s own')
+  resume.check_holds_no_other_files(str(tmp_path))
+  shutil.rmtree(tmp_path / 'checkpoints')
+  for saved in (tiny_config().to_json_best_effort(), '{"model": '):
+    (tmp_path / 'config.json').write_text(saved)
+    resume.check_holds_no_other_files(str(tmp_path))
 
 
 @pytest.fixture(name='finished_copy')

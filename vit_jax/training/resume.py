@@ -1,5 +1,6 @@
-"""A run's workdir: its `config.json`, the fields a resume must match (`resume_mismatches`), and
-the temporary files a killed run leaves behind (`remove_stale_temporaries`).
+"""A run's workdir: its `config.json`, the fields a resume must match (`resume_mismatches`), the
+temporary files a killed run leaves behind (`remove_stale_temporaries`), and the files of
+something else that a run there would overwrite (`check_holds_no_other_files`).
 """
 import json
 import logging
@@ -13,6 +14,7 @@ from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
 from vit_jax.data import pipeline
 from vit_jax.errors import ConfigError
+from vit_jax.errors import WorkdirError
 from vit_jax.models import registry
 
 
@@ -76,7 +78,35 @@ def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[s
 
 
 # What a run writes through WORKDIR/NAME.tmp files (`write_config`, `npz.save`).
-WRITTEN_THROUGH_TMP = ('config.json', 'model.npz', 'model_raw.npz')
+WRITTEN_THROUGH_TMP = (runs.RUN_CONFIG, runs.WORKDIR_MODEL, 'model_raw.npz')
+# What a run writes in its workdir under fixed names, which a run would overwrite.
+RUN_FILES = WRITTEN_THROUGH_TMP + ('checkpoints',)
+
+
+def holds_a_run(workdir: str) -> bool:
+  """Whether `workdir` holds a vit_jax run: a step folder of its checkpoints, or the config.json
+  of a run (one with `total_steps`; a damaged one counts, and its own line reports it)."""
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  if os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints)):
+    return True
+  try:
+    saved = runs.read_run_config(workdir)
+  except npz.CheckpointError:
+    return True
+  return saved is not None and 'total_steps' in saved
+
+
+def check_holds_no_other_files(workdir: str) -> None:
+  """A WorkdirError where `workdir` holds a file of RUN_FILES but no vit_jax run (`holds_a_run`):
+  a user's own model.npz or config.json, which the run would overwrite."""
+  paths = [os.path.join(workdir, name) for name in RUN_FILES]
+  found = [os.path.basename(path) for path in paths  # An empty folder holds nothing to lose.
+           if os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path))]
+  if found and not holds_a_run(workdir):
+    them = ', '.join(found)
+    raise WorkdirError(f'{workdir} holds {them} but no checkpoint or config of a vit_jax run, and '
+                       f'a run there would overwrite {"it" if len(found) == 1 else "them"}: give '
+                       f'another --workdir, or move {them} away.')
 
 
 def remove_stale_temporaries(workdir: str) -> None:

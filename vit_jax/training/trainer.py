@@ -87,6 +87,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
   """
   validate_config(config, jax.device_count())
+  resume.check_holds_no_other_files(workdir)
   info = dataset_checks.check_data(config, '')
   dataset_checks.check_classes(config, info)
   dataset_checks.check_label_kind(config, info)
