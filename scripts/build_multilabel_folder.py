@@ -73,8 +73,8 @@ def main() -> int:
     parser.add_argument(f'--{split}', type=int, default=count, help=f'Scenes of {split}.')
   args = parser.parse_args()
   try:
-    errors.check_new_output(args.folder, 'folder')
-  except errors.OutputExistsError as e:
+    errors.prepare_new_output(args.folder, 'folder')
+  except errors.OutputError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   write_folder(args.folder, {split: getattr(args, split) for split in SCENES})

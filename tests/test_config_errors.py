@@ -184,6 +184,16 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
       'give a folder that can be written (it is made if missing).')
 
 
+def test_an_output_under_a_file_is_one_line_before_the_model_loads(tmp_path, capsys):
+  (tmp_path / 'notes').write_text('mine')
+  out = tmp_path / 'notes' / 'run' / 'predictions.csv'
+  assert predict.main(['--checkpoint', str(tmp_path / 'none'), '--out', str(out), PHOTOS[0]]) == 1
+  assert capsys.readouterr().err == (
+      f'error: The folder of --out {out} cannot be made ({tmp_path}/notes is a file, not a '
+      'folder): give another --out.\n')
+  assert (tmp_path / 'notes').read_text() == 'mine'
+
+
 def test_a_folder_with_a_users_own_model_or_config_is_no_workdir(tmp_path):
   """A run writes model.npz and config.json: in a folder that holds them but no run, it stops
   before it trains, and the files stay as they were."""

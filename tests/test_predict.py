@@ -159,7 +159,7 @@ def test_a_folder_stands_for_its_images_and_out_writes_them_to_a_new_csv_file(fi
   assert predict.main([*command, *expected]) == 0  # As when each file is named.
   assert parse_output(capsys.readouterr().out) == printed
 
-  out = tmp_path / 'predictions.csv'
+  out = tmp_path / 'results' / 'predictions.csv'  # Its folder is made.
   assert predict.main([*command, '--top', '2', '--out', str(out), str(folder)]) == 0
   assert capsys.readouterr().out == f'Wrote the top 2 classes of 4 images to {out}.\n'
   with open(out, newline='') as f:

@@ -244,12 +244,12 @@ def _check_against_registry(params: dict, model, model_name: str, source: str) -
 
 
 def check_output(path: str) -> None:
-  """A FileExistsError or errors.OutputExistsError unless `path` is free for the converted .npz:
+  """A FileExistsError or errors.OutputError unless `path` is free for the converted .npz:
   an existing file or folder is never overwritten."""
   if os.path.isdir(path):
     raise FileExistsError(f'{path} is a folder: give the path of the .npz file to write, e.g. '
                           f'{os.path.join(path, "model.npz")}.')
-  errors.check_new_output(path, 'output')
+  errors.prepare_new_output(path, 'output')
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -306,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
     out = args.out or default_out(args.checkpoint, args.format)
-    errors.check_new_output(out)
+    errors.prepare_new_output(out)
     if args.labels and args.format != 'hf':
       raise ValueError(f'--labels goes into Hugging Face\'s config.json only; --format '
                        f'{args.format} has no place for class names: drop --labels.')

@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   hardware.use_one_device_per_core(lambda count: args.batch % count == 0)
   try:
     if args.out:
-      errors.check_new_output(args.out)
+      errors.prepare_new_output(args.out)
     shots = parse_shots(args.shots) if args.shots else None
     if args.batch % jax.device_count():
       raise ValueError(f'--batch={args.batch} is not divisible by the {jax.device_count()} '

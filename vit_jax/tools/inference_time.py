@@ -226,8 +226,8 @@ def check_args(args: argparse.Namespace) -> None:
              f'{", ".join(registry.MODEL_CONFIGS)}.')
   if args.out:
     try:
-      errors.check_new_output(args.out)
-    except errors.OutputExistsError as e:
+      errors.prepare_new_output(args.out)
+    except errors.OutputError as e:
       sys.exit(f'error: {e}')
   if args.batch < 1 or args.rounds < 1:
     sys.exit(f'error: --batch {args.batch} and --rounds {args.rounds} must be at least 1.')

@@ -129,10 +129,10 @@ def main(argv):
   console.setup(flags.FLAGS.log_all or flags.FLAGS.verbosity >= 1)
   try:
     if flags.FLAGS.out:
-      errors.check_new_output(flags.FLAGS.out)
+      errors.prepare_new_output(flags.FLAGS.out)
     topology = tpu_topologies.parse_topology(flags.FLAGS.topology, flags.FLAGS.slices)
     num_classes = tpu_plan.num_classes_of(flags.FLAGS.config, flags.FLAGS.num_classes)
-  except (errors.OutputExistsError, tpu_topologies.TopologyError, tpu_plan.PlanError) as e:
+  except (errors.OutputError, tpu_topologies.TopologyError, tpu_plan.PlanError) as e:
     sys.exit(f'Plan error: {e}')
   tpu_topologies.use_tpu_compiler_only(topology)
   try:

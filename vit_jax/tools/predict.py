@@ -144,22 +144,22 @@ def predictor(model, activation=jax.nn.softmax):
 
 
 def mask_files(folder: str, paths: list[str]) -> dict[str, str]:
-  """{image path: FOLDER/NAME.png, where its mask goes}; an OutputExistsError where such a file
-  exists, a ValueError where two images share a NAME."""
+  """{image path: FOLDER/NAME.png, where its mask goes}, FOLDER made; a ValueError where two
+  images share a NAME, an errors.OutputError where such a file exists."""
   images = {}  # Of each mask file.
   for path in paths:
     mask = os.path.join(folder, os.path.splitext(os.path.basename(path))[0] + '.png')
-    errors.check_new_output(mask, '--masks')
     if mask in images:
       raise ValueError(f'{images[mask]} and {path} would both write their mask to {mask}: '
                        'predict them with --masks folders of their own.')
     images[mask] = path
+  for mask in images:
+    errors.prepare_new_output(mask, '--masks')
   return {path: mask for mask, path in images.items()}
 
 
 def write_mask(mask: str, classes: np.ndarray) -> None:
-  """Writes a class map (H, W) to the new file `mask` (a .png), 8-bit grey."""
-  os.makedirs(os.path.dirname(mask) or '.', exist_ok=True)
+  """Writes a class map (H, W) to the new file `mask` (a .png of `mask_files`), 8-bit grey."""
   with open(mask, 'xb') as f:
     Image.fromarray(classes.astype(np.uint8)).save(f, format='PNG')
 
@@ -194,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
     if args.out:
-      errors.check_new_output(args.out)
+      errors.prepare_new_output(args.out)
     paths = image_paths(args.images)
     masks = mask_files(args.masks, paths) if args.masks else {}
     model, params = runs.load_model(args.checkpoint, args.model)
