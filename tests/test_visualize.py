@@ -209,3 +209,9 @@ def test_figures_of_the_same_checkpoint_are_redrawn_and_no_other_file_is_overwri
   assert capsys.readouterr().err.startswith(
       f'error: {output}/embedding_filters.png exists and holds no record of visualize drawing it')
   assert (output / 'embedding_filters.png').read_bytes() == b'my own notes'
+  # An --output that cannot be made is one line before anything is drawn.
+  under_a_file = output / 'embedding_filters.png' / 'figures'
+  assert visualize.main(['--checkpoint', first, '--model', 'testing', '--output',
+                         str(under_a_file)]) == 1
+  assert capsys.readouterr().err == (f'error: --output {under_a_file} cannot be made (Not a '
+                                     f'directory: {under_a_file}): give another --output.\n')

@@ -385,6 +385,15 @@ def check_not_overwriting(output: str, names: Sequence[str], source: str) -> Non
                      'overwrites only its figures of the same checkpoint).')
 
 
+def make_output_folder(output: str) -> None:
+  """Makes `output` where missing; a ValueError where it cannot be (under a file, say)."""
+  try:
+    os.makedirs(output, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f'--output {output} cannot be made ({e.strerror}: {e.filename}): give '
+                     'another --output.') from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Writes the figures and prints their paths; returns the exit status, 1 for bad input."""
   args = parse_args(argv)
@@ -393,11 +402,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     source = drawn_from(args.checkpoint, output)
     check_not_overwriting(output, [name for name in args.figures if name != 'training_curves'
                                    or os.path.isdir(args.checkpoint)], source)
+    make_output_folder(output)
     figures = draw_figures(args)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  os.makedirs(output, exist_ok=True)
   for figure_name in FIGURES:
     if figure_name in figures:
       path = os.path.join(output, f'{figure_name}.png')
