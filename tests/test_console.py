@@ -16,6 +16,9 @@ import pytest
 
 from helpers import xla_flags
 from vit_jax import console
+from vit_jax.checkpoints import convert
+from vit_jax.models import __main__ as models_command
+from vit_jax.tools import predict
 from vit_jax.training import trainer
 
 
@@ -112,3 +115,18 @@ def test_progress_lines_become_one_live_bar_on_a_terminal():
   bar_end = lines[-3].rsplit('\r', 1)[-1]  # The finished bar: its last drawing.
   assert bar_end.startswith('100%|') and bar_end.endswith('step 60/60: loss 0.5'), lines
   assert lines[-2].endswith(' Done.') and lines[-1] == '', lines
+
+
+@pytest.mark.parametrize('command, parse', [
+    ('predict', lambda argv: predict.parse_args(argv)),
+    ('convert', lambda argv: convert.parse_args(argv)),
+    ('models', lambda argv: models_command.main()),
+])
+def test_usage_names_the_command_a_user_types(command, parse, capsys, monkeypatch):
+  monkeypatch.setattr(sys, 'argv', ['__main__.py', '--bad'])  # What the models command reads.
+  with pytest.raises(SystemExit) as exit_status:
+    parse(['--bad'])
+  assert exit_status.value.code == 2
+  usage = capsys.readouterr().err.splitlines()
+  assert usage[0].startswith(f'usage: python -m vit_jax.{command} [-h]')
+  assert usage[-1].startswith(f'python -m vit_jax.{command}: error: ')

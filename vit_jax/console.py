@@ -10,6 +10,7 @@ terminal the progress lines become one live tqdm bar. `setup(True)` (`--log_all`
 Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
 commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
 """
+import argparse
 import contextlib
 import gc
 import importlib.abc
@@ -223,6 +224,12 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
   if not stream.isatty():  # tfds's preparation bars would print a line per update.
     import tensorflow_datasets as tfds  # After TF_CPP_MIN_LOG_LEVEL is set.
     tfds.disable_progress_bar()
+
+
+def command_parser(command: str, **kwargs) -> argparse.ArgumentParser:
+  """The argparse parser of `python -m vit_jax.COMMAND`, which its usage line names so (not the
+  file that holds its code)."""
+  return argparse.ArgumentParser(prog=f'python -m vit_jax.{command}', **kwargs)
 
 
 def run(main: Callable[[], Optional[int]]) -> NoReturn:

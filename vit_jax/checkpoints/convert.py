@@ -253,8 +253,8 @@ def check_output(path: str) -> None:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = console.command_parser(
+      'convert', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
   parser.add_argument('output', help='the .npz to write (published layout), with the model spec '
                       '(which records approximate_gelu)')

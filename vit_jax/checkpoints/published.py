@@ -26,7 +26,6 @@ Sources of the table (file names as published, none derived):
   vision_transformer_hybrid.py, pretrained configs: the AugReg files fine-tuned at 224 px, listed
   here only where they start from the recommended pre-trained file, and the imagenet21k ViT-H_14.
 """
-import argparse
 import dataclasses
 import difflib
 import hashlib
@@ -250,7 +249,7 @@ def listing() -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
   """`python -m vit_jax.checkpoint --list`: prints the published names."""
-  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser = console.command_parser('checkpoint', description=main.__doc__)
   parser.add_argument('--list', action='store_true', required=True,
                       help='print each published name with its model, resolution, training '
                       'data and file')

@@ -1,7 +1,6 @@
 """`python -m vit_jax.models [--image_size 224] [--num_classes 1000]`: the listed models with
 their parameter counts and GFLOPs per image, then the default run's model.
 """
-import argparse
 
 import ml_collections
 
@@ -13,7 +12,7 @@ from vit_jax.models.registry import MODEL_CONFIGS
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = console.command_parser('models', description=__doc__)
   parser.add_argument('--image_size', type=int, default=224)
   parser.add_argument('--num_classes', type=int, default=1000)
   args = parser.parse_args()

@@ -289,8 +289,8 @@ def export(model, params, image_size: blank.ImageSize, format_name: str, out: st
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = console.command_parser(
+      'export', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True, help='training workdir, .npz checkpoint, or '
                       'published name (augreg:B/16-384; python -m vit_jax.checkpoint --list)')
   parser.add_argument('--format', required=True, choices=FORMATS)

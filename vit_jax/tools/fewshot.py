@@ -76,7 +76,7 @@ def table(results: dict, shots: Sequence[int]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = console.command_parser('fewshot', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True, help='A .npz checkpoint, a training workdir, '
                       'or a published name (augreg:B/16; python -m vit_jax.checkpoint --list).')

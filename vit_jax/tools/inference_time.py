@@ -244,9 +244,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(
-      description=__doc__.split('\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split('\n', 1)[1])
+  parser = console.command_parser(
+      'inference_time', description=__doc__.split('\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split('\n', 1)[1])
   parser.add_argument('--model', default='ViT-B_16',
                       help=f'One of: {", ".join(registry.MODEL_CONFIGS)}.')
   parser.add_argument('--batch', type=int, default=8)

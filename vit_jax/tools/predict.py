@@ -102,8 +102,8 @@ def image_paths(arguments: list[str]) -> list[str]:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = console.command_parser(
+      'predict', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('images', nargs='+', help='image files (JPEG, PNG, ... anything PIL reads), '
                       'or folders of them')
   parser.add_argument('--model', help='registry name, e.g. ViT-B_16; needed for files without a '

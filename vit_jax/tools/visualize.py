@@ -293,7 +293,7 @@ def model_figures(model, params, image_size: int, images: np.ndarray, name: str,
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = console.command_parser('visualize', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True,
                       help='A .npz checkpoint, a training workdir, or a published name '
