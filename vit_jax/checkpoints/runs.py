@@ -26,6 +26,7 @@ from vit_jax.models.blank import ImageSize
 
 WORKDIR_MODEL = 'model.npz'  # Where training writes the final params, in its workdir.
 RUN_CONFIG = 'config.json'  # Where training saves its config, in its workdir.
+CHECKPOINTS = 'checkpoints'  # The folder of its Orbax checkpoints there, one per step.
 
 
 def model_path(path_or_workdir) -> str:
@@ -101,16 +102,22 @@ def read_run_config(workdir) -> Optional[dict]:
   return config
 
 
+def checkpoint_steps(workdir) -> list[int]:
+  """The steps of the checkpoint folders in WORKDIR/checkpoints (complete or not), unsorted."""
+  checkpoints = os.path.join(os.fspath(workdir), CHECKPOINTS)
+  return [int(n) for n in os.listdir(checkpoints) if n.isdigit()] if os.path.isdir(
+      checkpoints) else []
+
+
 def unfinished_run(workdir) -> Optional[str]:
   """For a training workdir without its model.npz, a line saying that the run has not finished
   and how to finish it; None for anything else."""
   path = os.fspath(workdir)
-  checkpoints = os.path.join(path, 'checkpoints')
+  checkpoints = os.path.join(path, CHECKPOINTS)
   if (not os.path.isdir(path) or os.path.exists(os.path.join(path, WORKDIR_MODEL)) or
       not (os.path.isdir(checkpoints) or os.path.isfile(os.path.join(path, RUN_CONFIG)))):
     return None
-  steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()] if os.path.isdir(
-      checkpoints) else []
+  steps = checkpoint_steps(path)
   since = f' (it resumes from its checkpoint of step {max(steps)})' if steps else ''
   return (f'{path} holds a training run that has not finished: it has no {WORKDIR_MODEL} yet. '
           f'Finish it by running its training command again with --workdir={path}{since}, then '

@@ -80,14 +80,13 @@ def resume_mismatches(config: ml_collections.ConfigDict, workdir: str) -> list[s
 # What a run writes through WORKDIR/NAME.tmp files (`write_config`, `npz.save`).
 WRITTEN_THROUGH_TMP = (runs.RUN_CONFIG, runs.WORKDIR_MODEL, 'model_raw.npz')
 # What a run writes in its workdir under fixed names, which a run would overwrite.
-RUN_FILES = WRITTEN_THROUGH_TMP + ('checkpoints',)
+RUN_FILES = WRITTEN_THROUGH_TMP + (runs.CHECKPOINTS,)
 
 
 def holds_a_run(workdir: str) -> bool:
   """Whether `workdir` holds a vit_jax run: a step folder of its checkpoints, or the config.json
   of a run (one with `total_steps`; a damaged one counts, and its own line reports it)."""
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  if os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints)):
+  if runs.checkpoint_steps(workdir):
     return True
   try:
     saved = runs.read_run_config(workdir)

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from vit_jax.checkpoints import npz
+from vit_jax.checkpoints import runs
 from vit_jax.errors import ConfigError
 from vit_jax.training.step import TrainState
 
@@ -107,7 +108,7 @@ class Checkpoints:
 
   def __init__(self, workdir: str, keep: int | None):
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.directory = os.path.join(self.workdir, runs.CHECKPOINTS)
     self.keep = keep or None
     self._remove_unfinished_saves()
     # The items' handlers named up front, so that the manager reads their metadata from the
