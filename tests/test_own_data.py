@@ -133,7 +133,7 @@ def test_the_fewshot_command_on_the_runs_workdir_evaluates_on_its_own_data(own_r
   assert fewshot_command.main(['--checkpoint', 'workdirs/default_my_photos', '--seeds', '1',
                                '--out', str(results)]) == 0
   out, err = capsys.readouterr()
-  assert out.startswith(f'{FOLDER} few-shot linear accuracy over 1 seeds, 10 test images (test):')
+  assert out.startswith(f'{FOLDER} few-shot linear accuracy over 1 seed, 10 test images (test):')
   # Of the default 1, 5, 10 and 25 shots, those that 15 images of each class leave 10 beside.
   assert ("Skipping 10/25-shot: k-shot needs k + 10 images of each class in 'train' (k shots, 10 "
           'held out to choose the L2), and its smallest class has 15.') in err

@@ -134,10 +134,11 @@ def write_now(text: str) -> None:
 
 
 @contextlib.contextmanager
-def native_info_lines_dropped() -> Iterator[None]:
+def native_info_lines_dropped(also: re.Pattern | None = None) -> Iterator[None]:
   """Holds back what is written to file descriptor 2 inside the block (by C++ code, and by Python),
-  then writes it to stderr without its NATIVE_INFO_LINE lines. For imports that load C++ runtimes,
-  such as TensorFlow's; the held lines appear when the block ends, even if it raises."""
+  then writes it to stderr without its NATIVE_INFO_LINE lines, nor those that `also` matches
+  (a caller's known lines of no use to a user). For imports that load C++ runtimes, such as
+  TensorFlow's; the held lines appear when the block ends, even if it raises."""
   global _stderr_held_back_from
   sys.stderr.flush()
   saved = os.dup(2)
@@ -153,7 +154,8 @@ def native_info_lines_dropped() -> Iterator[None]:
       os.close(saved)
       held.seek(0)
       lines = held.read().decode(errors='replace').splitlines(keepends=True)
-      sys.stderr.write(''.join(line for line in lines if not NATIVE_INFO_LINE.match(line)))
+      sys.stderr.write(''.join(line for line in lines if not NATIVE_INFO_LINE.match(line)
+                               and not (also and also.match(line))))
       sys.stderr.flush()
 
 

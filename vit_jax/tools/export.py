@@ -29,6 +29,7 @@ for timm...) is refused in one line that says why, before anything is written. A
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from typing import Optional
@@ -221,14 +222,24 @@ def write_saved_model(model, params, image_size: blank.ImageSize, out: str,
                                                'serving_float': module.serving_float})
 
 
+# What TensorFlow's TFLite converter writes to stderr at every conversion, whatever it converts:
+# two options that its Python half sets and its C++ half ignores (and, as its first native line,
+# absl's preamble, which console.NATIVE_INFO_LINE covers).
+TFLITE_CONVERTER_NOTICE = re.compile(
+    r'W\d{4} \d\d:\d\d:\d+\.\d+ +\d+ tf_tfl_flatbuffer_helpers\.cc:\d+\] '
+    r'Ignored (output_format|drop_control_dependency)\.$')
+
+
 def write_tflite(model, params, image_size: blank.ImageSize, out: str, labels: list[str]) -> None:
   """A TFLite flatbuffer of the uint8 serving function at batch size 1, TFLite's own ops only."""
   del labels
   import tensorflow as tf
   module = serving_module(model, params, image_size, batch_size=1)
   converter = tf.lite.TFLiteConverter.from_concrete_functions([module.serving_default], module)
+  with console.native_info_lines_dropped(also=TFLITE_CONVERTER_NOTICE):
+    flatbuffer = converter.convert()
   with open(out, 'wb') as f:
-    f.write(converter.convert())
+    f.write(flatbuffer)
 
 
 def how_to_load(model, image_size: blank.ImageSize, format_name: str, out: str) -> str:

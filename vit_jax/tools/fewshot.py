@@ -135,7 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  print(f'{args.dataset} few-shot linear accuracy over {args.seeds} seeds, '
+  seeds = f'{args.seeds} seed{"s" if args.seeds > 1 else ""}'
+  print(f'{args.dataset} few-shot linear accuracy over {seeds}, '
         f'{results["num_test"]} test images ({args.test_split}):')
   print(table(results, shots))
   if args.out:
