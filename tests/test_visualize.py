@@ -146,9 +146,10 @@ def error_of(capsys, argv):
 
 def test_missing_checkpoint_is_named(tmp_path, capsys):
   missing = str(tmp_path / 'missing_dir')
-  assert error_of(capsys, ['--checkpoint', missing, '--output', str(tmp_path)]) == (
-      f'error: --checkpoint {missing} does not exist: give a training workdir or an .npz '
-      'checkpoint.\n')
+  for output in (['--output', str(tmp_path)], []):  # Without --output: not "give --output".
+    assert error_of(capsys, ['--checkpoint', missing, *output]) == (
+        f'error: --checkpoint {missing} does not exist: give a training workdir or an .npz '
+        'checkpoint.\n')
 
 
 def test_npz_without_spec_or_model_name_is_a_clear_error(tmp_path, capsys):

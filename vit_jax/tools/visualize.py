@@ -312,12 +312,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def check_checkpoint_exists(checkpoint: str) -> None:
+  """A FileNotFoundError where --checkpoint is a local path that does not exist (published
+  names and URLs are checked as they load)."""
+  if not (published.is_name(checkpoint) or '://' in checkpoint or os.path.exists(checkpoint)):
+    raise FileNotFoundError(f'--checkpoint {checkpoint} does not exist: give a training workdir '
+                            'or an .npz checkpoint.')
+
+
 def draw_figures(args: argparse.Namespace) -> dict[str, Figure]:
   """The figures that `args` ask for and that apply to the checkpoint, by name."""
-  if not (published.is_name(args.checkpoint) or '://' in args.checkpoint or  # Both: on load.
-          os.path.exists(args.checkpoint)):
-    raise FileNotFoundError(f'--checkpoint {args.checkpoint} does not exist: give a training '
-                            'workdir or an .npz checkpoint.')
   name = args.model or (args.checkpoint if published.is_name(args.checkpoint) else
                         os.path.basename(os.path.normpath(args.checkpoint)))
   figures = {}
@@ -398,6 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Writes the figures and prints their paths; returns the exit status, 1 for bad input."""
   args = parse_args(argv)
   try:
+    check_checkpoint_exists(args.checkpoint)
     output = output_folder(args)
     source = drawn_from(args.checkpoint, output)
     check_not_overwriting(output, [name for name in args.figures if name != 'training_curves'
