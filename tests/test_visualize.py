@@ -214,5 +214,6 @@ def test_figures_of_the_same_checkpoint_are_redrawn_and_no_other_file_is_overwri
   under_a_file = output / 'embedding_filters.png' / 'figures'
   assert visualize.main(['--checkpoint', first, '--model', 'testing', '--output',
                          str(under_a_file)]) == 1
-  assert capsys.readouterr().err == (f'error: --output {under_a_file} cannot be made (Not a '
-                                     f'directory: {under_a_file}): give another --output.\n')
+  assert capsys.readouterr().err == (
+      f'error: --output {under_a_file} cannot be made ({output}/embedding_filters.png is a file, '
+      'not a folder): give another --output.\n')

@@ -1,6 +1,7 @@
-"""The errors vit_jax raises for what a user gave it, and `prepare_new_output`, which keeps every
-command from overwriting a file; this module imports nothing of vit_jax, so any module can raise
-them without importing the others."""
+"""The errors vit_jax raises for what a user gave it, `prepare_new_output`, which keeps every
+command from overwriting a file, and `make_folder`, which makes an output folder or says in one
+line why it cannot; this module imports nothing of vit_jax, so any module can raise them without
+importing the others."""
 import os
 
 
@@ -20,11 +21,17 @@ def prepare_new_output(path: str, option: str = '--out') -> None:
   if os.path.lexists(path):
     raise OutputError(f'{path} exists: give another {option}, or move it away first (nothing is '
                       'overwritten).')
-  folder = os.path.dirname(os.path.abspath(path))
-  cannot = f'The folder of {option} {path} cannot be made ({{}}): give another {option}.'
-  existing = folder
+  make_folder(os.path.dirname(os.path.abspath(path)), f'The folder of {option} {path}', option)
+
+
+def make_folder(folder: str, named: str, option: str) -> None:
+  """Makes `folder` where it is missing; raises an OutputError, in which `named` names it (e.g.
+  '--output DIR') and the fix is another `option`, where it cannot be made (a file in its path,
+  say) or written."""
+  existing = os.path.abspath(folder)
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
+  cannot = f'{named} cannot be made ({{}}): give another {option}.'
   if not os.path.isdir(existing):
     raise OutputError(cannot.format(f'{existing} is a file, not a folder'))
   try:
@@ -32,7 +39,7 @@ def prepare_new_output(path: str, option: str = '--out') -> None:
   except OSError as e:
     raise OutputError(cannot.format(f'{e.strerror}: {e.filename}')) from None
   if not os.access(folder, os.W_OK):
-    raise OutputError(f'The folder of {option} {path} cannot be written: give another {option}.')
+    raise OutputError(f'{named} cannot be written: give another {option}.')
 
 
 class WorkdirError(ValueError):

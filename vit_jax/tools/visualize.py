@@ -45,6 +45,7 @@ import numpy as np
 from PIL import Image
 
 from vit_jax import console
+from vit_jax import errors
 from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.data import embedded
@@ -389,15 +390,6 @@ def check_not_overwriting(output: str, names: Sequence[str], source: str) -> Non
                      'overwrites only its figures of the same checkpoint).')
 
 
-def make_output_folder(output: str) -> None:
-  """Makes `output` where missing; a ValueError where it cannot be (under a file, say)."""
-  try:
-    os.makedirs(output, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f'--output {output} cannot be made ({e.strerror}: {e.filename}): give '
-                     'another --output.') from None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Writes the figures and prints their paths; returns the exit status, 1 for bad input."""
   args = parse_args(argv)
@@ -407,7 +399,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     source = drawn_from(args.checkpoint, output)
     check_not_overwriting(output, [name for name in args.figures if name != 'training_curves'
                                    or os.path.isdir(args.checkpoint)], source)
-    make_output_folder(output)
+    errors.make_folder(output, f'--output {output}', '--output')
     figures = draw_figures(args)
   except (ValueError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
