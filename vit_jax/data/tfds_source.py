@@ -39,7 +39,7 @@ class TfdsSource:
       self._builder = tfds.builder(name, data_dir=data_dir)
     except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:  # Unknown; unparsable.
       raise UnknownDataset(str(e).split('\n')[0].rstrip('.')) from None
-    if not self._builder.is_prepared():
+    if not is_prepared(self._builder):
       self._prepare(manual_dir)
     features = self._builder.info.features
     self._label_key = next((key for key in ('label', 'labels') if key in features), None)
@@ -154,6 +154,13 @@ class TfdsSource:
 
 
 CONNECT_TIMEOUT_S = 5.0  # How long a download's host may take to accept a connection.
+
+
+def is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
+  """Whether tfds has prepared `builder`'s dataset. tfds's own check warns "Variant folder ... has
+  no dataset_info.json" for every dataset not prepared yet, which reads as a broken one: a
+  folder that does not exist yet is not asked about."""
+  return builder.data_path.exists() and builder.is_prepared()
 
 
 def missing_downloads(builder: tfds.core.DatasetBuilder, manual_dir: str) -> dict:
