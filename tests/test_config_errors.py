@@ -330,7 +330,9 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
                         '--out', str(out)]) == 0
   assert convert.main([str(timm_file), str(tmp_path / 'timm.npz')]) == 0  # No --num_heads.
   assert ', 2 heads) to ' in capsys.readouterr().out  # tests/tiny_config.py's model has 2.
-  assert convert.main([str(hf_dir / 'model.safetensors'), str(tmp_path / 'hf.npz')]) == 0
+  # The Hugging Face folder itself, as from_pretrained takes it.
+  assert convert.main([str(hf_dir), str(tmp_path / 'hf.npz')]) == 0
+  assert f'state dict {hf_dir}/model.safetensors (' in capsys.readouterr().out
   for converted in ('timm.npz', 'hf.npz'):
     assert runs.load_model(tmp_path / converted)[0].num_heads == 2
   # An existing output is refused, as export refuses one, and left as it was: the command's
@@ -342,6 +344,10 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
                                'move it away first (nothing is overwritten).')
   assert (tmp_path / 'timm.npz').read_bytes() == before
   assert convert.main([str(timm_file), str(hf_dir)]) == 1  # A folder: one line, not a traceback.
+  capsys.readouterr()
+  assert convert.main([str(tmp_path), str(tmp_path / 'other.npz')]) == 1  # A folder of no model.
+  assert capsys.readouterr().err == (f'error: {tmp_path} is a folder without a model.safetensors: '
+                                     'give a .safetensors file, or a Hugging Face model folder.\n')
 
 
 def test_convert_without_recorded_heads_asks_for_them(tmp_path, capsys):

@@ -2,10 +2,11 @@
 
     python -m vit_jax.convert vit_base_patch16_224.safetensors ViT-B_16_timm.npz --model ViT-B_16
 
-Reads a timm or Hugging Face `transformers` state dict from a local .safetensors file (no torch
-needed) of a ViT: class token, or token mean (timm's `class_token=False, global_pool='avg',
-fc_norm=False`), learned position embeddings, pre-LayerNorm blocks, and for timm also the hybrid's
-ResNet-v2 stem. `vit_jax.torch_layout` holds the names and layouts; besides,
+Reads a timm or Hugging Face `transformers` state dict from a local .safetensors file, or from
+a Hugging Face model folder (no torch needed), of a ViT: class token, or token mean (timm's
+`class_token=False, global_pool='avg', fc_norm=False`), learned position embeddings, pre-LayerNorm
+blocks, and for timm also the hybrid's ResNet-v2 stem. `vit_jax.torch_layout` holds the names
+and layouts; besides,
 - both use exact GELU, so the converted model must run with `approximate_gelu=False`, unless
   the file records the tanh approximation as vit_jax.export writes it (timm: `act_layer` in the
   metadata's `timm_model_args`; Hugging Face: `hidden_act` in the config.json beside it); the
@@ -148,6 +149,18 @@ def convert_state_dict(tensors: dict[str, np.ndarray], num_heads: int,
   return traverse_util.unflatten_dict(flat), layout
 
 
+def safetensors_file(path: str) -> str:
+  """`path`, or where it is a Hugging Face model folder (`save_pretrained`'s, or
+  `vit_jax.export --format hf`'s) the weights file in it."""
+  if not os.path.isdir(path):
+    return path
+  weights = os.path.join(path, torch_layout.HUGGING_FACE_WEIGHTS)
+  if not os.path.isfile(weights):
+    raise FileNotFoundError(f'{path} is a folder without a {torch_layout.HUGGING_FACE_WEIGHTS}: '
+                            'give a .safetensors file, or a Hugging Face model folder.')
+  return weights
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
   """The tensors of a local .safetensors file, by key."""
   if not os.path.isfile(path):
@@ -255,7 +268,8 @@ def check_output(path: str) -> None:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = console.command_parser(
       'convert', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors')
+  parser.add_argument('input', help='timm or Hugging Face ViT state dict, .safetensors, or a '
+                      'Hugging Face model folder (its model.safetensors and config.json)')
   parser.add_argument('output', help='the .npz to write (published layout), with the model spec '
                       '(which records approximate_gelu)')
   heads = parser.add_mutually_exclusive_group()
@@ -273,22 +287,23 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   try:
     check_output(args.output)
-    tensors = read_safetensors(args.input)
+    source = safetensors_file(args.input)
+    tensors = read_safetensors(source)
     num_heads = args.num_heads
     if args.model:
       num_heads = registry.get_model_config(args.model).transformer.num_heads
     elif num_heads is None:
-      num_heads = recorded_num_heads(args.input)
-    params, layout = convert_state_dict(tensors, num_heads, args.input)
-    model = converted_model(params, num_heads, args.model, approximate_gelu(args.input))
+      num_heads = recorded_num_heads(source)
+    params, layout = convert_state_dict(tensors, num_heads, source)
+    model = converted_model(params, num_heads, args.model, approximate_gelu(source))
     if args.model:
-      _check_against_registry(params, model, args.model, args.input)
+      _check_against_registry(params, model, args.model, source)
     npz.save(params, args.output, linen_names=args.linen_names,
                     spec=registry.model_spec(model, args.model))
   except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  print(f'Converted the {layout} state dict {args.input} ({describe(params)}, {num_heads} heads) '
+  print(f'Converted the {layout} state dict {source} ({describe(params)}, {num_heads} heads) '
         f'to {args.output}. It runs with approximate_gelu={model.approximate_gelu}, recorded in '
         'its model spec.')
   return 0
