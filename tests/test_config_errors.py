@@ -335,6 +335,13 @@ def test_convert_reads_the_heads_of_its_own_exports_and_never_overwrites(trained
   assert f'state dict {hf_dir}/model.safetensors (' in capsys.readouterr().out
   for converted in ('timm.npz', 'hf.npz'):
     assert runs.load_model(tmp_path / converted)[0].num_heads == 2
+  # The run's class names go into Hugging Face's config, and come back from it (timm's file has
+  # no place for them).
+  names = runs.saved_label_names(trained_run[0])
+  assert names[1] == 'Trouser'
+  assert json.loads((hf_dir / 'config.json').read_text())['id2label']['1'] == 'Trouser'
+  assert runs.saved_label_names(tmp_path / 'hf.npz') == names
+  assert runs.saved_label_names(tmp_path / 'timm.npz') is None
   # An existing output is refused, as export refuses one, and left as it was: the command's
   # one line (its successful conversion runs in tests/test_commands.py).
   before = (tmp_path / 'timm.npz').read_bytes()

@@ -225,6 +225,16 @@ def recorded_num_heads(path: str) -> int:
   return int(heads)
 
 
+def recorded_label_names(path: str, num_classes: int) -> Optional[list[str]]:
+  """The class names, in label order, of the Hugging Face config.json beside the .safetensors at
+  `path` (its id2label, one for each of `num_classes`); None where it records none."""
+  _, hf_config = recorded_settings(path)
+  names = (hf_config or {}).get('id2label') or {}
+  if not num_classes or set(names) != {str(i) for i in range(num_classes)}:
+    return None
+  return [names[str(i)] for i in range(num_classes)]
+
+
 def converted_model(params: dict, num_heads: int, model_name: Optional[str] = None,
                     approximate: bool = False):
   """The VisionTransformer that the converted `params` are: the registry's `model_name`, or
@@ -298,8 +308,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = converted_model(params, num_heads, args.model, approximate_gelu(source))
     if args.model:
       _check_against_registry(params, model, args.model, source)
+    spec = registry.model_spec(model, args.model)
+    names = recorded_label_names(source, model.num_classes)
     npz.save(params, args.output, linen_names=args.linen_names,
-                    spec=registry.model_spec(model, args.model))
+             spec={**spec, 'label_names': names} if names else spec)
   except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1

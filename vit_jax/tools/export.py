@@ -309,7 +309,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                       'Default: next to the checkpoint, e.g. FILE_timm.safetensors')
   parser.add_argument('--model', help='registry name of an .npz checkpoint, e.g. ViT-B_16')
   parser.add_argument('--labels', help="class names for Hugging Face's config: 'imagenet2012' "
-                      'or a file with one per line; default: class indices')
+                      'or a file with one per line; default: the names recorded with the run, '
+                      'else class indices')
   return parser.parse_args(argv)
 
 
@@ -323,7 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        f'{args.format} has no place for class names: drop --labels.')
     model, params = runs.load_model(args.checkpoint, args.model)
     image_size = runs.trained_image_size(args.checkpoint, params, model)
-    labels = image_files.load_labels(args.labels, model.num_classes)
+    labels = image_files.load_labels(args.labels, model.num_classes,
+                                     runs.saved_label_names(args.checkpoint))
     export(model, params, image_size, args.format, out, labels)
   except (ValueError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
