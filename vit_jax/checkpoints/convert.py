@@ -186,15 +186,19 @@ def describe(params: dict) -> str:
           + (', pre_logits' if 'pre_logits' in params else ''))
 
 
-def recorded_settings(path: str) -> tuple[Optional[dict], Optional[dict]]:
-  """(timm model arguments, Hugging Face config) that come with the .safetensors at `path`, each
-  None where absent: the `timm_model_args` of its metadata (vit_jax.export writes them), and the
-  config.json beside it."""
+# (timm model arguments, Hugging Face config) that come with a .safetensors file, each None where
+# absent (`recorded_settings`).
+Settings = tuple[Optional[dict], Optional[dict]]
+
+
+def recorded_settings(path: str) -> Settings:
+  """The Settings that come with the .safetensors at `path`: the `timm_model_args` of its metadata
+  (vit_jax.export writes them), and the config.json beside it."""
   with safetensors.safe_open(path, 'numpy') as f:
     metadata = f.metadata() or {}
   if 'timm_model_args' in metadata:
     return json.loads(metadata['timm_model_args']), None
-  config = os.path.join(os.path.dirname(path), 'config.json')
+  config = os.path.join(os.path.dirname(path), torch_layout.HUGGING_FACE_CONFIG)
   if not os.path.isfile(config):
     return None, None
   try:
@@ -205,18 +209,18 @@ def recorded_settings(path: str) -> tuple[Optional[dict], Optional[dict]]:
                                      f'valid JSON ({e}): repair or remove it.') from None
 
 
-def approximate_gelu(path: str) -> bool:
-  """Whether the weights of the .safetensors at `path` run with the tanh-approximate GELU."""
-  timm_args, hf_config = recorded_settings(path)
+def approximate_gelu(settings: Settings) -> bool:
+  """Whether the weights that come with `settings` run with the tanh-approximate GELU."""
+  timm_args, hf_config = settings
   if timm_args is not None:
     return timm_args.get('act_layer') == torch_layout.TIMM_GELU[True]
   return (hf_config or {}).get('hidden_act') in torch_layout.HUGGING_FACE_TANH_GELUS
 
 
-def recorded_num_heads(path: str) -> int:
-  """The number of heads that the .safetensors at `path` records (`recorded_settings`); a
+def recorded_num_heads(settings: Settings, path: str) -> int:
+  """The number of heads that the .safetensors at `path` records in its `settings`; a
   CheckpointError saying what to give where it records none."""
-  timm_args, hf_config = recorded_settings(path)
+  timm_args, hf_config = settings
   heads = (timm_args or {}).get('num_heads') or (hf_config or {}).get('num_attention_heads')
   if not heads:
     raise npz.CheckpointError(
@@ -225,10 +229,10 @@ def recorded_num_heads(path: str) -> int:
   return int(heads)
 
 
-def recorded_label_names(path: str, num_classes: int) -> Optional[list[str]]:
-  """The class names, in label order, of the Hugging Face config.json beside the .safetensors at
-  `path` (its id2label, one for each of `num_classes`); None where it records none."""
-  _, hf_config = recorded_settings(path)
+def recorded_label_names(settings: Settings, num_classes: int) -> Optional[list[str]]:
+  """The class names, in label order, of the Hugging Face config in `settings` (its id2label, one
+  for each of `num_classes`); None where it records none."""
+  _, hf_config = settings
   names = (hf_config or {}).get('id2label') or {}
   if not num_classes or set(names) != {str(i) for i in range(num_classes)}:
     return None
@@ -299,17 +303,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_output(args.output)
     source = safetensors_file(args.input)
     tensors = read_safetensors(source)
+    settings = recorded_settings(source)
     num_heads = args.num_heads
     if args.model:
       num_heads = registry.get_model_config(args.model).transformer.num_heads
     elif num_heads is None:
-      num_heads = recorded_num_heads(source)
+      num_heads = recorded_num_heads(settings, source)
     params, layout = convert_state_dict(tensors, num_heads, source)
-    model = converted_model(params, num_heads, args.model, approximate_gelu(source))
+    model = converted_model(params, num_heads, args.model, approximate_gelu(settings))
     if args.model:
       _check_against_registry(params, model, args.model, source)
     spec = registry.model_spec(model, args.model)
-    names = recorded_label_names(source, model.num_classes)
+    names = recorded_label_names(settings, model.num_classes)
     npz.save(params, args.output, linen_names=args.linen_names,
              spec={**spec, 'label_names': names} if names else spec)
   except (ValueError, OSError) as e:

@@ -27,9 +27,9 @@ POS_EMBEDDING = ('Transformer', 'posembed_input', 'pos_embedding')
 TIMM_GELU = {False: 'gelu', True: 'gelu_tanh'}
 HUGGING_FACE_GELU = {False: 'gelu', True: 'gelu_new'}
 HUGGING_FACE_TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh')
-# The weights file of a Hugging Face model folder (what `save_pretrained` writes, beside its
-# config.json).
+# The weights and the config of a Hugging Face model folder (what `save_pretrained` writes).
 HUGGING_FACE_WEIGHTS = 'model.safetensors'
+HUGGING_FACE_CONFIG = 'config.json'
 
 
 def _check_heads(size: int, num_heads: int, what: str = 'Hidden size') -> int:

@@ -173,7 +173,8 @@ def write_hugging_face(model, params, image_size: blank.ImageSize, out: str,
   os.makedirs(out)
   _write_safetensors(state_dict(params, 'hf'), os.path.join(out, torch_layout.HUGGING_FACE_WEIGHTS),
                      metadata={'format': 'pt'})
-  _write_json(hugging_face_config(model, image_size, labels), os.path.join(out, 'config.json'))
+  _write_json(hugging_face_config(model, image_size, labels),
+              os.path.join(out, torch_layout.HUGGING_FACE_CONFIG))
   _write_json(hugging_face_preprocessor(image_size),
               os.path.join(out, 'preprocessor_config.json'))
 

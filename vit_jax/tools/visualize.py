@@ -313,10 +313,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def is_local(checkpoint: str) -> bool:
+  """Whether --checkpoint is a local path, not a published name or a URL."""
+  return not (published.is_name(checkpoint) or '://' in checkpoint)
+
+
 def check_checkpoint_exists(checkpoint: str) -> None:
   """A FileNotFoundError where --checkpoint is a local path that does not exist (published
   names and URLs are checked as they load)."""
-  if not (published.is_name(checkpoint) or '://' in checkpoint or os.path.exists(checkpoint)):
+  if is_local(checkpoint) and not os.path.exists(checkpoint):
     raise FileNotFoundError(f'--checkpoint {checkpoint} does not exist: give a training workdir '
                             'or an .npz checkpoint.')
 
@@ -364,7 +369,7 @@ def drawn_from(checkpoint: str, output: str) -> str:
   """What the figures in `output` are drawn from, as their PNG files record it: a published name
   or URL as given, else the checkpoint's path relative to `output` (which holds for a workdir
   moved with its figures folder)."""
-  if published.is_name(checkpoint) or '://' in checkpoint:
+  if not is_local(checkpoint):
     return checkpoint
   return os.path.relpath(os.path.abspath(checkpoint), os.path.abspath(output))
 
