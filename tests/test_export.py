@@ -320,6 +320,9 @@ def test_saved_model_resizes_like_the_eval_pipeline(token, saved_model):
   np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-4, atol=1e-6)
 
 
+# TensorFlow's interpreter serves here only to check the file; its deprecation in favour of the
+# ai_edge_litert package, which reads the same files, is no concern of vit_jax's.
+@pytest.mark.filterwarnings('ignore:.*tf.lite.Interpreter is deprecated:UserWarning')
 def test_tflite_gives_the_logits_of_model_apply_on_a_real_photo(token, tmp_path):
   path, params = token
   out = str(tmp_path / 'vit.tflite')

@@ -20,6 +20,7 @@ def test_the_cpu_of_a_process_a_test_waited_for_is_counted_for_that_test(tmp_pat
   env = {name: value for name, value in os.environ.items()  # Not a worker of this session's.
          if not name.startswith('PYTEST_XDIST')}
   env['PYTHONPATH'] = os.path.join(TESTS, os.pardir, 'benchmarks')
+  env['TMPDIR'] = str(tmp_path)  # Where the plugin keeps its rows: gone with tmp_path.
   result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'suite_cpu',
                            'test_busy.py'], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
