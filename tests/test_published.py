@@ -64,6 +64,12 @@ def test_names_resolve_to_their_model_and_files():
   assert published.lookup('paper:R50+ViT-B_16-384').gs_url == (
       'gs://vit_models/imagenet21k+imagenet2012/R50+ViT-B_16.npz')
   assert published.model_of('augreg:R26+S/32') == 'R26+ViT-S_32'
+  # SAM's files, as timm's pretrained configs name them (vit_base_patch16_224.sam_in1k).
+  sam = published.lookup('sam:B/16')
+  assert (sam.model, sam.resolution, sam.dataset) == ('ViT-B_16', 224, 'imagenet2012')
+  assert sam.https_url == 'https://storage.googleapis.com/vit_models/sam/ViT-B_16.npz'
+  assert published.lookup('sam:B/32').gs_url == 'gs://vit_models/sam/ViT-B_32.npz'
+  assert published.is_name('sam:B/16') and published.model_of('sam:B/32') == 'ViT-B_32'
   assert published.model_of('/some/dir/model.npz') is None
 
 
@@ -80,6 +86,9 @@ def test_list_prints_every_name_with_model_resolution_and_data(capsys):
   assert len(lines) == len(published.PUBLISHED)
   b16 = next(line for line in lines if line.split()[0] == 'augreg:B/16-384')
   assert b16.split()[1:4] == ['ViT-B_16', '384px', 'imagenet21k+imagenet2012']
+  sam = next(line for line in lines if line.split()[0] == 'sam:B/32')
+  assert sam.split()[1:] == ['ViT-B_32', '224px', 'imagenet2012',
+                             'gs://vit_models/sam/ViT-B_32.npz']
 
 
 # Training from a published name.

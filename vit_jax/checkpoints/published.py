@@ -10,6 +10,9 @@ Names:
   AugReg at 224 px; `augreg:SIZE-RES` the one fine-tuned from it on ImageNet-2012 at RES px
   (`gs://vit_models/augreg/`). The file names spell out the recipe: augmentation level,
   weight decay, dropout, stochastic depth, and the fine-tuning steps and learning rate.
+- `sam:SIZE` (`sam:B/16`, `sam:B/32`) is trained on ImageNet-2012 alone, from scratch at 224 px,
+  with sharpness-aware minimisation ("When Vision Transformers Outperform ResNets without
+  Pre-training or Strong Data Augmentations", Chen et al., 2021; `gs://vit_models/sam/`).
 
 `fetch(name)` downloads a file once, into `cache_dir()` (`$VIT_JAX_CACHE`, default
 ~/.cache/vit_jax), from its https address, or from `$VIT_JAX_MIRROR`, a URL (http://, https://,
@@ -24,7 +27,8 @@ Sources of the table (file names as published, none derived):
   recommended AugReg checkpoints (pre-trained and fine-tuned at 384 px);
 - timm (huggingface/pytorch-image-models), timm/models/vision_transformer.py and
   vision_transformer_hybrid.py, pretrained configs: the AugReg files fine-tuned at 224 px, listed
-  here only where they start from the recommended pre-trained file, and the imagenet21k ViT-H_14.
+  here only where they start from the recommended pre-trained file, the imagenet21k ViT-H_14, and
+  the two SAM files (`vit_base_patch16_224.sam_in1k`, `vit_base_patch32_224.sam_in1k`).
 """
 import dataclasses
 import difflib
@@ -45,7 +49,8 @@ from vit_jax.cache import cache_dir
 BUCKET = 'gs://vit_models'
 HTTPS_BUCKET = 'https://storage.googleapis.com/vit_models'
 MIRROR_ENV = 'VIT_JAX_MIRROR'
-PREFIXES = ('paper:', 'augreg:')
+PREFIXES = ('paper:', 'augreg:', 'sam:')
+I1K = 'imagenet2012'
 I21K = 'imagenet21k'
 I21K_I1K = 'imagenet21k+imagenet2012'
 _CHUNK_BYTES = 1 << 20
@@ -59,7 +64,8 @@ class PublishedError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
   """One published file: its name here, registry model, resolution (pixels), training data
-  (I21K, or I21K_I1K for fine-tuned on ImageNet-2012) and path in the bucket."""
+  (I21K; I21K_I1K for fine-tuned on ImageNet-2012; I1K for trained on it alone) and path in the
+  bucket."""
   name: str
   model: str
   resolution: int
@@ -123,7 +129,9 @@ _AUGREG = [
              'R_Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0',
              res_224=f'{_STEPS}-lr_0.03-res_224', res_384=f'{_STEPS}-lr_0.03-res_384'),
 ]
-PUBLISHED: dict[str, Checkpoint] = {c.name: c for c in _PAPER + _AUGREG}
+_SAM = [Checkpoint(f'sam:{size}', model, 224, I1K, f'sam/{model}.npz')
+        for size, model in (('B/16', 'ViT-B_16'), ('B/32', 'ViT-B_32'))]
+PUBLISHED: dict[str, Checkpoint] = {c.name: c for c in _PAPER + _AUGREG + _SAM}
 
 
 def is_name(text) -> bool:
