@@ -25,6 +25,7 @@ from helpers import TINY_CONFIG
 from helpers import tiny_config
 from helpers import xla_flags
 import preloaded
+from vit_jax import main
 from vit_jax.checkpoints import npz
 from vit_jax.config import command_line
 from vit_jax.config import fields
@@ -254,6 +255,31 @@ def test_a_workdir_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(interr
       f'{workdir}/lock): wait for that run to end, or use another --workdir.')
   assert (f'Taking over {workdir}/lock from process {interrupted_run.killed.process.pid} on '
           f'{host}, which no longer runs.') in interrupted_run.preempted.log
+
+
+def test_a_ctrl_c_before_the_first_step_stops_at_once_and_says_there_is_no_checkpoint(tmp_path):
+  # Before training starts (its data checks, the compile), there is no step to checkpoint.
+  run = MainProcess(tmp_path / 'run', LONG_RUN)
+  run.wait_for(lambda: 'Dataset ' in run.log, 'the dataset line')
+  run.process.send_signal(signal.SIGINT)
+  assert run.finish() == 1, run.log
+  assert 'Traceback' not in run.log and 'step 10/60' not in run.log
+  assert run.log.strip().splitlines()[-1] == (
+      "Stopped at once (Ctrl-C), before the run's first checkpoint. To start it again: "
+      f'python -m vit_jax.main --config={TINY_CONFIG} '
+      + ' '.join(f'--config.{k}={v}' for k, v in LONG_RUN.items())
+      + f" --workdir={tmp_path / 'run'}")
+  checkpoints = tmp_path / 'run' / 'checkpoints'
+  assert not (checkpoints.exists() and os.listdir(checkpoints))
+
+
+def test_a_ctrl_c_that_stops_at_once_names_the_last_complete_checkpoint(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, 'argv', ['main.py', '--config.total_steps=60'])
+  for name in ('20', '40', '60.orbax-checkpoint-tmp-1'):  # The last one, unfinished.
+    os.makedirs(tmp_path / 'checkpoints' / name)
+  assert main.interrupted_line(str(tmp_path)) == (
+      'Stopped at once (Ctrl-C); the last complete checkpoint is step 40. To resume from it: '
+      f'python -m vit_jax.main --config.total_steps=60 --workdir={tmp_path}')
 
 
 def test_without_workdir_a_run_writes_to_workdirs_named_after_its_config():

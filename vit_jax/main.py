@@ -103,8 +103,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       from vit_jax.training import trainer
     return trainer.train_and_evaluate(config, workdir)
   except KeyboardInterrupt:
-    error = (f'Stopped at once (second Ctrl-C). To resume from the last checkpoint: '
-             f'{workdirs.resume_command(workdir)}')
+    error = interrupted_line(workdir)
   except Exception as e:
     error = error_line(e)
     if error is None and not peers:
@@ -117,6 +116,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     if lock:
       workdirs.release_workdir(lock)
   startup.exit_with_error(error, peers)
+
+
+def interrupted_line(workdir: str) -> str:
+  """The line of a run that a Ctrl-C stopped at once: the second one in training, or the first
+  before training started (in its compile, say), when no step is there to checkpoint yet."""
+  last = gone_process.last_checkpoint(workdir)
+  if last == 'none':
+    return ("Stopped at once (Ctrl-C), before the run's first checkpoint. To start it again: "
+            f'{workdirs.resume_command(workdir)}')
+  return (f'Stopped at once (Ctrl-C); the last complete checkpoint is {last}. To resume from '
+          f'it: {workdirs.resume_command(workdir)}')
 
 
 def error_line(error: Exception) -> str | None:
