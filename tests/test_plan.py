@@ -4,6 +4,8 @@ devices' memory, in plan and in main)."""
 import ast
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -66,6 +68,10 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
   assert run.returncode == 0, run.stderr
   assert 'tensorflow imported: False' in run.stdout
   assert 'TPU_ACCELERATOR_TYPE' not in run.stderr and 'Traceback' not in run.stderr
+  # Its one line while it compiles, which takes minutes for large models.
+  assert re.fullmatch(r"\d\d:\d\d:\d\d Compiling the training and evaluation steps of \S+ for "
+                      r"v5e-4 with libtpu's compiler, on this CPU \(minutes for large models\)\.",
+                      run.stderr.strip()), run.stderr
   result = json.loads(out.read_text())
   assert result['fits'] and result['topology']['chips'] == 4 and result['mesh']['data'] == 4
   assert result['config']['multi_label'] and result['eval']['fits']
@@ -99,6 +105,20 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
       'overwritten).')
   assert rows[labels.index('HBM')].endswith(' 14.90 GiB')  # 16 GB.
   assert rows[labels.index('fits')].endswith(' yes')
+
+
+def test_a_ctrl_c_stops_the_plan_command_in_its_compile_with_one_line(tmp_path):
+  out = tmp_path / 'plan.json'
+  plan = subprocess.Popen([sys.executable, '-m', 'vit_jax.plan', f'--config={TINY_CONFIG}',
+                           '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  assert 'Compiling the training and evaluation steps' in plan.stderr.readline()
+  plan.send_signal(signal.SIGINT)  # As a terminal's Ctrl-C.
+  stdout, stderr = plan.communicate(timeout=60)
+  # It ends as an uncaught Ctrl-C ends a process, by SIGINT, after its one line.
+  assert plan.returncode == -signal.SIGINT and (stdout, stderr) == ('', 'Stopped (Ctrl-C).\n')
+  assert not out.exists()
 
 
 @pytest.mark.parametrize('name, chips, hosts, grid', [

@@ -5,7 +5,8 @@ By default the console shows what vit_jax logs (the workdir, the model, the mesh
 evaluations, checkpoints, the end), each as `HH:MM:SS message`, and other libraries' records at
 WARNING and above, without the INFO lines TensorFlow's C++ runtime prints as it loads. On a
 terminal the progress lines become one live tqdm bar. `setup(True)` (`--log_all`, or absl's
-`--verbosity=1`) keeps absl's format and every library's INFO lines.
+`--verbosity=1`) keeps absl's format and every library's INFO lines. A Ctrl-C stops a command
+with one line (`ctrl_c_stops_quietly`).
 
 Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
 commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
@@ -18,6 +19,7 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 from typing import Callable, Iterator, NoReturn, Optional, TextIO
@@ -243,4 +245,24 @@ def run(main: Callable[[], Optional[int]]) -> NoReturn:
   hardware.skip_absent_tpu()
   hardware.use_compilation_cache()
   setup(log_all=False)
-  sys.exit(main())
+  with ctrl_c_stops_quietly():
+    sys.exit(main())
+
+
+CTRL_C_LINE = 'Stopped (Ctrl-C).'
+
+
+@contextlib.contextmanager
+def ctrl_c_stops_quietly() -> Iterator[None]:
+  """A Ctrl-C inside ends the process with one line, CTRL_C_LINE, in place of Python's
+  traceback of wherever it came (a compile, most often), once the `finally` blocks inside have
+  run. The process then ends by SIGINT, as an uncaught Ctrl-C ends it: a shell loop that runs the
+  command stops too."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    print(CTRL_C_LINE, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
