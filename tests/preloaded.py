@@ -202,6 +202,9 @@ def serve(path: str) -> None:
 
 def _child(request, fds) -> None:
   """Becomes `python ARGS` as the request gives it, and exits as Python does."""
+  # Ctrl-C raises KeyboardInterrupt, as in a Python started from a terminal: pytest-xdist's
+  # workers ignore SIGINT, and so would their children.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   for limit, soft in request['limits'].items():
     resource.setrlimit(int(limit), (soft, resource.RLIM_INFINITY))
   devnull = os.open(os.devnull, os.O_RDONLY)

@@ -109,10 +109,15 @@ def test_the_plan_command_compiles_a_tiny_step_for_a_v5e_4(tmp_path):
 
 def test_a_ctrl_c_stops_the_plan_command_in_its_compile_with_one_line(tmp_path):
   out = tmp_path / 'plan.json'
-  plan = subprocess.Popen([sys.executable, '-m', 'vit_jax.plan', f'--config={TINY_CONFIG}',
-                           '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  # The process takes Ctrl-C as a user's does: pytest-xdist's workers ignore SIGINT, and a child
+  # would inherit that.
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    plan = subprocess.Popen([sys.executable, '-m', 'vit_jax.plan', f'--config={TINY_CONFIG}',
+                             '--topology=v5e-4', f'--out={out}'], env=user_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.signal(signal.SIGINT, before)
   assert 'Compiling the training and evaluation steps' in plan.stderr.readline()
   plan.send_signal(signal.SIGINT)  # As a terminal's Ctrl-C.
   stdout, stderr = plan.communicate(timeout=60)
