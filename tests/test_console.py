@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -35,6 +36,15 @@ def test_an_export_through_tensorflow_shows_no_native_lines(trained_run, tmp_pat
   assert result.returncode == 0, result.stderr
   assert result.stdout.startswith(f'Exported {trained_run[0]} '), result.stderr  # Its one line.
   assert result.stderr == ''
+
+
+def test_a_command_whose_reader_stopped_reading_ends_by_sigpipe_without_a_traceback():
+  # `python -m vit_jax.checkpoint --list | head -1`, with the reader gone before the first write.
+  listing = subprocess.Popen([sys.executable, '-m', 'vit_jax.checkpoint', '--list'],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  listing.stdout.close()
+  _, stderr = listing.communicate(timeout=120)
+  assert (listing.returncode, stderr) == (-signal.SIGPIPE, '')
 
 
 def test_native_info_lines_are_dropped_and_every_other_line_is_kept(capfd):

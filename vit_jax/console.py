@@ -6,7 +6,7 @@ evaluations, checkpoints, the end), each as `HH:MM:SS message`, and other librar
 WARNING and above, without the INFO lines TensorFlow's C++ runtime prints as it loads. On a
 terminal the progress lines become one live tqdm bar. `setup(True)` (`--log_all`, or absl's
 `--verbosity=1`) keeps absl's format and every library's INFO lines. A Ctrl-C stops a command
-with one line (`ctrl_c_stops_quietly`).
+with one line, and a closed pipe (`... | head`) stops it without a traceback (`stopped_quietly`).
 
 Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
 commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
@@ -245,7 +245,7 @@ def run(main: Callable[[], Optional[int]]) -> NoReturn:
   hardware.skip_absent_tpu()
   hardware.use_compilation_cache()
   setup(log_all=False)
-  with ctrl_c_stops_quietly():
+  with stopped_quietly():
     sys.exit(main())
 
 
@@ -253,16 +253,29 @@ CTRL_C_LINE = 'Stopped (Ctrl-C).'
 
 
 @contextlib.contextmanager
-def ctrl_c_stops_quietly() -> Iterator[None]:
-  """A Ctrl-C inside ends the process with one line, CTRL_C_LINE, in place of Python's
-  traceback of wherever it came (a compile, most often), once the `finally` blocks inside have
-  run. The process then ends by SIGINT, as an uncaught Ctrl-C ends it: a shell loop that runs the
-  command stops too."""
+def stopped_quietly() -> Iterator[None]:
+  """Ends the process without Python's traceback where the user stopped the command:
+  - a Ctrl-C (a compile, most often, is under way): one line, CTRL_C_LINE, once the `finally`
+    blocks inside have run;
+  - a reader of its output that stopped reading (`python -m vit_jax.checkpoint --list | head`).
+  The process then ends by that signal (SIGINT, SIGPIPE) as an uncaught Ctrl-C and a Unix tool
+  writing to a closed pipe end: a shell loop that runs the command stops, and a pipeline's
+  status says so."""
   try:
     yield
   except KeyboardInterrupt:
     print(CTRL_C_LINE, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+    with contextlib.suppress(BrokenPipeError):
+      sys.stdout.flush()
+    _end_by(signal.SIGINT)
+  except BrokenPipeError:
+    _end_by(signal.SIGPIPE)
+
+
+def _end_by(signum: int) -> NoReturn:
+  """Ends this process by `signum`, taken as the system's default takes it; with the status a
+  shell gives that, 128 + signum, where the signal is blocked (a mask it inherited)."""
+  sys.stderr.flush()
+  signal.signal(signum, signal.SIG_DFL)
+  os.kill(os.getpid(), signum)
+  os._exit(128 + signum)

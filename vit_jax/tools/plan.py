@@ -156,5 +156,5 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.skip_absent_tpu()
-  with console.ctrl_c_stops_quietly():
+  with console.stopped_quietly():
     app.run(main, flags_parser=parse_flags)
