@@ -11,6 +11,7 @@ with one line, and a closed pipe (`... | head`) stops it without a traceback (`s
 Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
 commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
 """
+import _thread
 import argparse
 import contextlib
 import gc
@@ -22,6 +23,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 from typing import Callable, Iterator, NoReturn, Optional, TextIO
 
 import tqdm
@@ -250,6 +252,7 @@ def run(main: Callable[[], Optional[int]]) -> NoReturn:
 
 
 CTRL_C_LINE = 'Stopped (Ctrl-C).'
+RAISE_AGAIN_S = 0.01  # When a Ctrl-C that a callback swallowed is raised again (ctrl_c_kept).
 
 
 @contextlib.contextmanager
@@ -262,7 +265,8 @@ def stopped_quietly() -> Iterator[None]:
   writing to a closed pipe end: a shell loop that runs the command stops, and a pipeline's
   status says so."""
   try:
-    yield
+    with ctrl_c_kept():
+      yield
   except KeyboardInterrupt:
     print(CTRL_C_LINE, file=sys.stderr)
     with contextlib.suppress(BrokenPipeError):
@@ -270,6 +274,32 @@ def stopped_quietly() -> Iterator[None]:
     _end_by(signal.SIGINT)
   except BrokenPipeError:
     _end_by(signal.SIGPIPE)
+
+
+@contextlib.contextmanager
+def ctrl_c_kept() -> Iterator[None]:
+  """Inside, a Ctrl-C that a callback swallowed is raised again. Python raises a Ctrl-C's
+  KeyboardInterrupt wherever the main thread runs Python code next, and that may be a callback
+  whose exceptions are only printed ("Exception ignored in ...": JAX's callback of each garbage
+  collection, which may come in a compile, or a `__del__`), so the Ctrl-C would be lost. Here it
+  is not printed, and another thread raises it again RAISE_AGAIN_S later, in the code after the
+  callback (or, if a callback swallows it again, again)."""
+  previous = sys.unraisablehook
+
+  def raise_again(unraisable) -> None:
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+      # Raised from here, it would be raised in this hook, and swallowed too.
+      later = threading.Timer(RAISE_AGAIN_S, _thread.interrupt_main, (signal.SIGINT,))
+      later.daemon = True
+      later.start()
+    else:
+      previous(unraisable)
+
+  sys.unraisablehook = raise_again
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
 
 
 def _end_by(signum: int) -> NoReturn:

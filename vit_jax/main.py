@@ -218,7 +218,8 @@ def main(argv):
     checks.validate_config(config, jax.device_count())
   except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
-  metrics = train(config, workdir)
+  with console.ctrl_c_kept():
+    metrics = train(config, workdir)
   if 'preempted_at_step' in metrics:
     logging.warning('Stopped at step %d and wrote its checkpoint. To resume: %s',
                     metrics['preempted_at_step'], workdirs.resume_command(workdir))

@@ -5,6 +5,8 @@ compile for with libtpu where there is no TPU (jax.experimental.topologies).
 import dataclasses
 import os
 import re
+import signal
+import threading
 
 import jax
 from jax.experimental import topologies
@@ -91,12 +93,19 @@ def parse_topology(name: str, slices: int = 1) -> Topology:
 
 
 def compile_only_devices(topology: Topology) -> list:
-  """The TPU devices of `topology` (all its slices), which compile but do not run."""
+  """The TPU devices of `topology` (all its slices), which compile but do not run.
+
+  libtpu, as it loads, makes SIGTERM (a scheduler's or `timeout`'s stop) print a stack dump of
+  every thread. In the main thread, SIGTERM gets back the handler Python had for it before, the
+  default one by default, which ends the process quietly."""
+  before = signal.getsignal(signal.SIGTERM)
   grid = 'x'.join(map(str, topology.grid))
   description = topologies.get_topology_desc(
       platform='tpu', topology_name=f'{topology.generation.name}:{grid}',
       chip_config_name=topology.generation.chip_config,
       chips_per_host_bounds=topology.host_bounds(), num_slices=topology.slices)
+  if before is not None and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, before)
   return list(description.devices)
 
 

@@ -13,7 +13,6 @@ NAME is a Cloud TPU accelerator type: v4-8 ... v4-4096, v5e-1 ... v5e-256 (or v5
 v5p-8 ..., v6e-1 ... v6e-256.
 """
 import json
-import logging
 import os
 import sys
 
@@ -136,10 +135,6 @@ def main(argv):
   except (errors.OutputError, tpu_topologies.TopologyError, tpu_plan.PlanError) as e:
     sys.exit(f'Plan error: {e}')
   tpu_topologies.use_tpu_compiler_only(topology)
-  slices = f' x {topology.slices} slices' if topology.slices > 1 else ''
-  logging.info("Compiling the training and evaluation steps of %s for %s%s with libtpu's "
-               'compiler, on this CPU (minutes for large models).',
-               flags.FLAGS.config.model_name, topology.name, slices)
   try:
     result = tpu_plan.plan(flags.FLAGS.config, topology, num_classes, flags.FLAGS.multi_label)
   except tpu_plan.PlannedError as e:

@@ -10,6 +10,7 @@ benchmarks/tpu_plans.py runs it over the presets.
     result = tpu_plan.plan(config, topology, tpu_plan.num_classes_of(config, None))
 """
 import importlib.metadata
+import logging
 import math
 import re
 import time
@@ -130,6 +131,10 @@ def plan(config: ml_collections.ConfigDict, topology: tpu_topologies.Topology,
   JSON of --out). Raises checks.ConfigError, or PlannedError (a fit.FitError naming
   what would fit, as main's check does) where the step does not fit a chip's HBM."""
   mesh = topology_mesh(config, topology)
+  slices = f' x {topology.slices} slices' if topology.slices > 1 else ''
+  logging.info("Compiling the training and evaluation steps of %s for %s%s with libtpu's "
+               'compiler, on this CPU (minutes for large models).', config.model_name,
+               topology.name, slices)
   hbm = topology.generation.hbm_bytes
   where = f'a {topology.generation.name} chip\'s HBM'
   memory = lambda c: fit.step_memory(c, mesh, num_classes, multi_label)
