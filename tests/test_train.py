@@ -1,9 +1,12 @@
 """Tests of the training loop, vit_jax/training/trainer.py, on the embedded Fashion-MNIST."""
+import gc
 import json
 import os
 import re
 import shutil
 import signal
+import sys
+import time
 
 import jax
 from jax.sharding import Mesh
@@ -546,6 +549,29 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_stops_at_once():
   finally:
     watcher.close()
   assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_stop_that_a_callback_swallowed_in_an_evaluation_comes_again_unprinted():
+  pressed, printed = [], []
+
+  def sigterm_in_a_collection(phase, info):  # As JAX's callback may get one in an evaluation.
+    del info
+    if phase == 'start' and not pressed:  # The next collection's, once.
+      pressed.append(True)
+      signal.raise_signal(signal.SIGTERM)  # Its EvaluationStopped, raised here, is swallowed.
+
+  watcher = preemption.PreemptionWatcher()
+  unraisable_hook, sys.unraisablehook = sys.unraisablehook, printed.append
+  try:
+    with pytest.raises(preemption.EvaluationStopped), watcher.stops_evaluation():
+      gc.callbacks.insert(0, sigterm_in_a_collection)
+      gc.collect()
+      time.sleep(5)  # Where the stop comes again, within preemption.STOP_REPEAT_S.
+  finally:
+    gc.callbacks.remove(sigterm_in_a_collection)
+    sys.unraisablehook = unraisable_hook
+    watcher.close()
+  assert pressed and not printed  # Not printed as "Exception ignored in ...".
 
 
 def test_a_run_saved_before_posemb_and_objective_resumes_and_changing_them_is_named(tmp_path):

@@ -3,9 +3,11 @@ boundary, where the loop checkpoints and exits 0, or stops an evaluation in prog
 (`EvaluationStopped`) on every process at the same batch; a second Ctrl-C stops at once.
 """
 import contextlib
+import functools
 import itertools
 import logging
 import signal
+import sys
 import threading
 from typing import Callable
 
@@ -24,6 +26,14 @@ class EvaluationStopped(Exception):
 
 
 STOP_REPEAT_S = 0.2  # How often a stopped evaluation is told again (PreemptionWatcher).
+
+
+def _drop_evaluation_stopped(previous: Callable, unraisable) -> None:
+  """sys.unraisablehook in `stops_evaluation`: an EvaluationStopped that a callback swallowed
+  (JAX's of each garbage collection; Python would print "Exception ignored in ...") is left
+  unprinted, as it comes again within STOP_REPEAT_S; `previous` takes any other."""
+  if not isinstance(unraisable.exc_value, EvaluationStopped):
+    previous(unraisable)
 
 
 class PreemptionWatcher:
@@ -83,6 +93,8 @@ class PreemptionWatcher:
     self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM,
                                                             self._stop_evaluation))
     self._evaluating = True
+    unraisable_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_drop_evaluation_stopped, unraisable_hook)
     try:
       if self.signal_name is not None:
         self._stop_evaluation()
@@ -95,6 +107,7 @@ class PreemptionWatcher:
     finally:
       self._evaluating = False
       signal.setitimer(signal.ITIMER_REAL, 0)
+      sys.unraisablehook = unraisable_hook
 
   def _sync_at_each_batch(self, final_step: int) -> Callable[[], None]:
     """For hardware.at_each_batch: asks JAX's preemption sync point at each batch, numbered on
