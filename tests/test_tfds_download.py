@@ -29,10 +29,12 @@ def closed_port() -> int:
 
 
 def test_an_unreachable_tfds_download_is_one_line_in_seconds_and_leaves_nothing(tmp_path):
-  home, data_dir = tmp_path / 'home', tmp_path / 'tfds'
+  home, data_dir, temporary = tmp_path / 'home', tmp_path / 'tfds', tmp_path / 'tmp'
   home.mkdir()
+  temporary.mkdir()
   proxy = f'http://127.0.0.1:{closed_port()}'
-  env = {**os.environ, 'HOME': str(home), 'XLA_FLAGS': xla_flags(None), 'https_proxy': proxy,
+  env = {**os.environ, 'HOME': str(home), 'TMPDIR': str(temporary),
+         'XLA_FLAGS': xla_flags(None), 'https_proxy': proxy,
          'HTTPS_PROXY': proxy, 'http_proxy': proxy, 'HTTP_PROXY': proxy, 'no_proxy': '',
          'NO_PROXY': ''}
   start = time.monotonic()
@@ -53,6 +55,7 @@ def test_an_unreachable_tfds_download_is_one_line_in_seconds_and_leaves_nothing(
   assert seconds < 150, (seconds, result.stderr)  # tfds alone waits 3.4 minutes between retries.
   assert not data_dir.exists(), sorted(data_dir.rglob('*'))
   assert not (home / 'tensorflow_datasets').exists()
+  assert not [path for path in temporary.iterdir() if path.name.endswith('tfds')]
 
 
 class BreaksOff(http.server.BaseHTTPRequestHandler):

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import socket
+import tempfile
 from typing import Iterator, Optional
 import urllib.parse
 import urllib.request
@@ -36,7 +37,8 @@ class TfdsSource:
   def __init__(self, name: str, data_dir: Optional[str], manual_dir: Optional[str],
                shuffle_buffer: int):
     try:
-      self._builder = tfds.builder(name, data_dir=data_dir)
+      with empty_tfds_temporaries_removed():
+        self._builder = tfds.builder(name, data_dir=data_dir)
     except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:  # Unknown; unparsable.
       raise UnknownDataset(str(e).split('\n')[0].rstrip('.')) from None
     if not is_prepared(self._builder):
@@ -197,6 +199,23 @@ def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> Optional[str]:
   except OSError as e:
     return f'{host}:{port}: {e.strerror or str(e) or type(e).__name__}'
   return None
+
+
+@contextlib.contextmanager
+def empty_tfds_temporaries_removed() -> Iterator[None]:
+  """Removes the empty folders `tmp*tfds` that the block adds to the temporary directory.
+  tfds 4.9.10 makes one each time it builds a dataset not yet prepared
+  (`DatasetInfo.initialize_from_bucket`, before it finds its GCS bucket disabled) and never
+  removes it; nothing is ever written into them."""
+  folder = tempfile.gettempdir()
+  before = set(os.listdir(folder))
+  try:
+    yield
+  finally:
+    for name in set(os.listdir(folder)) - before:
+      if name.startswith('tmp') and name.endswith('tfds'):
+        with contextlib.suppress(OSError):  # Not empty, or gone: not one of those.
+          os.rmdir(os.path.join(folder, name))
 
 
 @contextlib.contextmanager
