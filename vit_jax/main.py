@@ -121,12 +121,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 def interrupted_line(workdir: str) -> str:
   """The line of a run that a Ctrl-C stopped at once: the second one in training, or the first
   before training started (in its compile, say), when no step is there to checkpoint yet."""
-  last = gone_process.last_checkpoint(workdir)
+  last, command = gone_process.last_checkpoint(workdir), workdirs.resume_command(workdir)
   if last == 'none':
     return ("Stopped at once (Ctrl-C), before the run's first checkpoint. To start it again: "
-            f'{workdirs.resume_command(workdir)}')
+            f'{command}')
   return (f'Stopped at once (Ctrl-C); the last complete checkpoint is {last}. To resume from '
-          f'it: {workdirs.resume_command(workdir)}')
+          f'it: {command}')
 
 
 def error_line(error: Exception) -> str | None:
