@@ -77,6 +77,18 @@ def xla_flags(devices: int | None) -> str:
   return ' '.join(flags + ([f'{count}={devices}'] if devices else []))
 
 
+# The harness's settings (tests/conftest.py), none of which a user has.
+HARNESS_VARIABLES = ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_COMPILATION_CACHE_DIR',
+                     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+                     'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', 'JAX_NUM_CPU_DEVICES',
+                     'TF_CPP_MIN_LOG_LEVEL')
+
+
+def user_env() -> dict[str, str]:
+  """The environment of a user's shell: this one without HARNESS_VARIABLES."""
+  return {name: value for name, value in os.environ.items() if name not in HARNESS_VARIABLES}
+
+
 def read_scalars(workdir) -> dict[str, dict[int, float]]:
   """{tag: {step: value}} of the TensorBoard scalars in `workdir`."""
   return {tag: dict(zip(steps.tolist(), values.tolist()))

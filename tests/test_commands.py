@@ -25,6 +25,7 @@ from helpers import random_params
 from helpers import TESTS
 from helpers import TINY_CONFIG
 from helpers import tiny_config
+from helpers import user_env
 from vit_jax import cache
 from vit_jax.checkpoints import npz
 from vit_jax.config import defaults
@@ -36,12 +37,6 @@ from vit_jax.tools import predict
 SHORT_RUN_WORKER = pytest.mark.xdist_group('commands_short_run')
 NON_SQUARE_RUN_WORKER = pytest.mark.xdist_group('commands_non_square_run')
 
-# The harness's settings (tests/conftest.py), none of which a user has.
-HARNESS_VARIABLES = ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_COMPILATION_CACHE_DIR',
-                     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
-                     'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', 'JAX_NUM_CPU_DEVICES',
-                     'TF_CPP_MIN_LOG_LEVEL')
-
 
 @pytest.fixture(scope='module', autouse=True)
 def fresh_user_cache(tmp_path_factory):
@@ -49,10 +44,6 @@ def fresh_user_cache(tmp_path_factory):
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv(cache.CACHE_ENV, str(tmp_path_factory.mktemp('user_cache')))
     yield
-
-
-def user_env() -> dict[str, str]:
-  return {name: value for name, value in os.environ.items() if name not in HARNESS_VARIABLES}
 
 
 def vit_jax(*args, cwd=None, timeout=600, note_tensorflow=False) -> subprocess.CompletedProcess:

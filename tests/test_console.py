@@ -8,10 +8,8 @@ import io
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import orbax.checkpoint as ocp
 import pytest
@@ -37,37 +35,6 @@ def test_an_export_through_tensorflow_shows_no_native_lines(trained_run, tmp_pat
   assert result.returncode == 0, result.stderr
   assert result.stdout.startswith(f'Exported {trained_run[0]} '), result.stderr  # Its one line.
   assert result.stderr == ''
-
-
-def test_a_command_whose_reader_stopped_reading_ends_by_sigpipe_without_a_traceback():
-  # `python -m vit_jax.checkpoint --list | head -1`, with the reader gone before the first write.
-  listing = subprocess.Popen([sys.executable, '-m', 'vit_jax.checkpoint', '--list'],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  listing.stdout.close()
-  _, stderr = listing.communicate(timeout=120)
-  assert (listing.returncode, stderr) == (-signal.SIGPIPE, '')
-
-
-def test_a_ctrl_c_that_a_callback_swallowed_is_raised_again():
-  pressed = []
-
-  def ctrl_c_in_a_collection(phase, info):  # As JAX's callback may get one in a compile.
-    del info
-    if phase == 'start' and not pressed:  # The next collection's, once.
-      pressed.append(True)
-      signal.raise_signal(signal.SIGINT)  # Raised in this callback, which swallows it.
-
-  # Python's own handler of Ctrl-C, which pytest-xdist's workers replace by ignoring it.
-  before = signal.signal(signal.SIGINT, signal.default_int_handler)
-  try:
-    with pytest.raises(KeyboardInterrupt), console.ctrl_c_kept():
-      gc.callbacks.insert(0, ctrl_c_in_a_collection)
-      gc.collect()
-      time.sleep(5)  # Where the Ctrl-C comes again, at once; lost, it would not.
-  finally:
-    gc.callbacks.remove(ctrl_c_in_a_collection)
-    signal.signal(signal.SIGINT, before)
-  assert pressed
 
 
 def test_native_info_lines_are_dropped_and_every_other_line_is_kept(capfd):

@@ -10,12 +10,20 @@ module. The commands that moved keep a module of their old name (vit_jax/predict
 like, through `command_moved`), so that `python -m vit_jax.predict` runs as before;
 `vit_jax.models` and `vit_jax.config`, now packages, forward their old names
 (`vit_jax.models.get_model`).
+
+Imported by a program, the package changes nothing in its process. Imported as the start of
+`python -m vit_jax.COMMAND`, it makes a Ctrl-C during the command's imports one line instead of a
+traceback (vit_jax/interrupts.py).
 """
 import importlib
 import importlib.util
 import runpy
 import sys
 import warnings
+
+from vit_jax import interrupts
+
+interrupts.stop_quietly_while_a_command_imports()
 
 # {old name: new module}
 MOVED = {

@@ -5,13 +5,12 @@ By default the console shows what vit_jax logs (the workdir, the model, the mesh
 evaluations, checkpoints, the end), each as `HH:MM:SS message`, and other libraries' records at
 WARNING and above, without the INFO lines TensorFlow's C++ runtime prints as it loads. On a
 terminal the progress lines become one live tqdm bar. `setup(True)` (`--log_all`, or absl's
-`--verbosity=1`) keeps absl's format and every library's INFO lines. A Ctrl-C stops a command
-with one line, and a closed pipe (`... | head`) stops it without a traceback (`stopped_quietly`).
+`--verbosity=1`) keeps absl's format and every library's INFO lines. How a command stops (a
+Ctrl-C, a closed pipe) is vit_jax/interrupts.py's.
 
 Importing this module changes nothing; `python -m vit_jax.main` calls `setup` once, the other
 commands run their `main` through `run`, and the notebook calls `setup` in its first cell.
 """
-import _thread
 import argparse
 import contextlib
 import gc
@@ -20,15 +19,14 @@ import importlib.util
 import logging
 import os
 import re
-import signal
 import sys
 import tempfile
-import threading
 from typing import Callable, Iterator, NoReturn, Optional, TextIO
 
 import tqdm
 
 from vit_jax import hardware
+from vit_jax import interrupts
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -247,65 +245,5 @@ def run(main: Callable[[], Optional[int]]) -> NoReturn:
   hardware.skip_absent_tpu()
   hardware.use_compilation_cache()
   setup(log_all=False)
-  with stopped_quietly():
+  with interrupts.stopped_quietly():
     sys.exit(main())
-
-
-CTRL_C_LINE = 'Stopped (Ctrl-C).'
-RAISE_AGAIN_S = 0.01  # When a Ctrl-C that a callback swallowed is raised again (ctrl_c_kept).
-
-
-@contextlib.contextmanager
-def stopped_quietly() -> Iterator[None]:
-  """Ends the process without Python's traceback where the user stopped the command:
-  - a Ctrl-C (a compile, most often, is under way): one line, CTRL_C_LINE, once the `finally`
-    blocks inside have run;
-  - a reader of its output that stopped reading (`python -m vit_jax.checkpoint --list | head`).
-  The process then ends by that signal (SIGINT, SIGPIPE) as an uncaught Ctrl-C and a Unix tool
-  writing to a closed pipe end: a shell loop that runs the command stops, and a pipeline's
-  status says so."""
-  try:
-    with ctrl_c_kept():
-      yield
-  except KeyboardInterrupt:
-    print(CTRL_C_LINE, file=sys.stderr)
-    with contextlib.suppress(BrokenPipeError):
-      sys.stdout.flush()
-    _end_by(signal.SIGINT)
-  except BrokenPipeError:
-    _end_by(signal.SIGPIPE)
-
-
-@contextlib.contextmanager
-def ctrl_c_kept() -> Iterator[None]:
-  """Inside, a Ctrl-C that a callback swallowed is raised again. Python raises a Ctrl-C's
-  KeyboardInterrupt wherever the main thread runs Python code next, and that may be a callback
-  whose exceptions are only printed ("Exception ignored in ...": JAX's callback of each garbage
-  collection, which may come in a compile, or a `__del__`), so the Ctrl-C would be lost. Here it
-  is not printed, and another thread raises it again RAISE_AGAIN_S later, in the code after the
-  callback (or, if a callback swallows it again, again)."""
-  previous = sys.unraisablehook
-
-  def raise_again(unraisable) -> None:
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-      # Raised from here, it would be raised in this hook, and swallowed too.
-      later = threading.Timer(RAISE_AGAIN_S, _thread.interrupt_main, (signal.SIGINT,))
-      later.daemon = True
-      later.start()
-    else:
-      previous(unraisable)
-
-  sys.unraisablehook = raise_again
-  try:
-    yield
-  finally:
-    sys.unraisablehook = previous
-
-
-def _end_by(signum: int) -> NoReturn:
-  """Ends this process by `signum`, taken as the system's default takes it; with the status a
-  shell gives that, 128 + signum, where the signal is blocked (a mask it inherited)."""
-  sys.stderr.flush()
-  signal.signal(signum, signal.SIG_DFL)
-  os.kill(os.getpid(), signum)
-  os._exit(128 + signum)

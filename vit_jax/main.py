@@ -23,6 +23,7 @@ import ml_collections
 from vit_jax import console
 from vit_jax import errors
 from vit_jax import hardware
+from vit_jax import interrupts
 from vit_jax.config import checks
 from vit_jax.config import command_line
 from vit_jax.distributed import gone_process
@@ -95,6 +96,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
            if jax.process_count() > 1 else None)
   lock, error = None, None
   try:
+    interrupts.command_started()  # A Ctrl-C from here on is interrupted_line's.
     # Locked before the trainer (and TensorFlow, seconds) is imported: a workdir in use is
     # refused at once. Its imports (Flax, Orbax, clu, tfds besides TensorFlow) run without the
     # cyclic collector, whose collections would free nothing there.
@@ -218,7 +220,7 @@ def main(argv):
     checks.validate_config(config, jax.device_count())
   except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
-  with console.ctrl_c_kept():
+  with interrupts.ctrl_c_kept():
     metrics = train(config, workdir)
   if 'preempted_at_step' in metrics:
     logging.warning('Stopped at step %d and wrote its checkpoint. To resume: %s',

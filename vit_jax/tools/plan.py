@@ -22,6 +22,7 @@ from absl import flags
 from vit_jax import console
 from vit_jax import errors
 from vit_jax import hardware
+from vit_jax import interrupts
 from vit_jax import tpu_topologies
 from vit_jax.config import checks
 from vit_jax.config import command_line
@@ -151,5 +152,5 @@ def main(argv):
 
 if __name__ == '__main__':
   hardware.skip_absent_tpu()
-  with console.stopped_quietly():
+  with interrupts.stopped_quietly():
     app.run(main, flags_parser=parse_flags)
