@@ -29,7 +29,11 @@ def stop_quietly_while_a_command_imports() -> None:
   """Makes a Ctrl-C end this process with CTRL_C_LINE, until `command_started`, where this
   process is `python -m vit_jax.COMMAND` and only there: Python sets argv[0] to '-m' while it
   imports the packages of the module it runs, and sys.orig_argv names that module. A process
-  started with Ctrl-C ignored (`nohup`, a shell's background job) goes on ignoring it."""
+  started with Ctrl-C ignored (`nohup`, a shell's background job) goes on ignoring it.
+
+  The process ends at once, in the signal's handler: a KeyboardInterrupt raised through an
+  unfinished import of a native library (jaxlib's) and printed in one line by sys.excepthook
+  crashed the interpreter's exit with SIGSEGV; and nothing is there yet to clean up."""
   if (sys.argv[:1] == ['-m'] and _module_run().startswith('vit_jax.')
       and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
     signal.signal(signal.SIGINT, _stop_importing)
