@@ -171,10 +171,12 @@ def test_unknown_config_field_lists_the_fields_of_its_group():
 
 def interrupt(run, workdir, signal_name, at_step):
   """The step that `run` (of LONG_RUN in `workdir`), sent `signal_name` at `at_step`, stopped
-  at; checks that it exits 0 having checkpointed that step."""
+  at; checks that it ends unfinished, by SIGINT for a Ctrl-C and with status 143 for SIGTERM,
+  having checkpointed that step."""
   run.wait_for(lambda: f'step {at_step}/60' in run.log, f'step {at_step}')
   run.process.send_signal(getattr(signal, signal_name))
-  assert run.finish() == 0, run.log
+  assert run.finish() == {'SIGINT': -signal.SIGINT, 'SIGTERM': 128 + signal.SIGTERM}[signal_name], (
+      run.log)
   # Stopped between steps, or in the evaluation of the step the signal came after.
   stopped = re.search(rf'Preempted at step (\d+) \({signal_name}\)|'
                       rf'{signal_name} during the evaluation of step (\d+)', run.log)
@@ -194,7 +196,8 @@ def interrupted_run(tmp_path_factory, trained_run):
   - `killed` (SIGKILL) as soon as the save of step 20 starts (or has ended, if it was too
     quick to see);
   - `preempted` by SIGTERM at step 30, 30 steps before the end.
-  interrupt() checks that Ctrl-C and SIGTERM exit 0 with a checkpoint of the step they stop at.
+  interrupt() checks that Ctrl-C and SIGTERM end it unfinished, with a checkpoint of the step
+  they stop at.
   The session's run, trained first, leaves the programs that these processes compile in the
   XLA cache (tests/conftest.py).
   """
@@ -227,7 +230,8 @@ SHARES_INTERRUPTED_RUN = pytest.mark.xdist_group('interrupted_run')
 
 
 @SHARES_INTERRUPTED_RUN
-def test_ctrl_c_and_sigterm_checkpoint_exit_0_and_the_printed_command_resumes(interrupted_run):
+def test_ctrl_c_and_sigterm_checkpoint_end_unfinished_and_the_printed_command_resumes(
+    interrupted_run):
   assert interrupted_run.printed_command[:3] == ['python', '-m', 'vit_jax.main']
   for resumed in (interrupted_run.killed, interrupted_run.preempted):
     assert 'Resuming from step' in resumed.log, resumed.log
@@ -262,7 +266,7 @@ def test_a_ctrl_c_before_the_first_step_stops_at_once_and_says_there_is_no_check
   run = MainProcess(tmp_path / 'run', LONG_RUN)
   run.wait_for(lambda: 'Dataset ' in run.log, 'the dataset line')
   run.process.send_signal(signal.SIGINT)
-  assert run.finish() == 1, run.log
+  assert run.finish() == -signal.SIGINT, run.log
   assert 'Traceback' not in run.log and 'step 10/60' not in run.log
   assert run.log.strip().splitlines()[-1] == (
       "Stopped at once (Ctrl-C), before the run's first checkpoint. To start it again: "

@@ -12,8 +12,10 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
+from typing import NoReturn
 
 from absl import app
 from absl import flags
@@ -88,13 +90,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains `config` in `workdir`, which process 0 locks, with the heartbeats of several
   processes; returns the run's last metrics. Exits with one line for an error a user can act
   on; with several processes, the others stop with that line too, and any other error is its
-  traceback and then such a line (`unexpected_error_line`)."""
+  traceback and then such a line (`unexpected_error_line`). A Ctrl-C that stops it at once
+  (`interrupted_line`) ends it by SIGINT after its line."""
   on_gone = functools.partial(startup.exit_for_gone_process, workdir,
                               workdirs.resume_command(workdir))
   peers = (heartbeats.PeerWatch(on_gone, startup.exit_for_failed_process,
                                 gone_after_s=flags.FLAGS.peer_timeout).start()
            if jax.process_count() > 1 else None)
-  lock, error = None, None
+  lock, error, signum = None, None, None
   try:
     interrupts.command_started()  # A Ctrl-C from here on is interrupted_line's.
     # Locked before the trainer (and TensorFlow, seconds) is imported: a workdir in use is
@@ -105,7 +108,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       from vit_jax.training import trainer
     return trainer.train_and_evaluate(config, workdir)
   except KeyboardInterrupt:
-    error = interrupted_line(workdir)
+    error, signum = interrupted_line(workdir), signal.SIGINT
   except Exception as e:
     error = error_line(e)
     if error is None and not peers:
@@ -117,7 +120,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       peers.stop()
     if lock:
       workdirs.release_workdir(lock)
-  startup.exit_with_error(error, peers)
+  startup.exit_with_error(error, peers, signum)
 
 
 def interrupted_line(workdir: str) -> str:
@@ -225,8 +228,20 @@ def main(argv):
   if 'preempted_at_step' in metrics:
     logging.warning('Stopped at step %d and wrote its checkpoint. To resume: %s',
                     metrics['preempted_at_step'], workdirs.resume_command(workdir))
-    return
+    end_unfinished(int(metrics['preempted_by_signal']))
   logging.info('Done: %s', evaluation_summary(metrics))
+
+
+def end_unfinished(signum: int) -> NoReturn:
+  """Ends a run that the signal `signum` stopped, its checkpoint written, with a status that says
+  it has not finished, so that a scheduler runs it again and `main && export` stops there (a
+  Kubernetes Job would take 0 as done): a Ctrl-C of one process ends it by SIGINT, as Python
+  ends on one, so that a shell loop over runs stops too; otherwise the status is 128 + signum
+  (143 for SIGTERM), through Python's exit, which shuts JAX's multi-process runtime down in
+  step with the other processes."""
+  if signum == signal.SIGINT and jax.process_count() == 1:
+    interrupts.end_by(signum)
+  sys.exit(128 + signum)
 
 
 if __name__ == '__main__':

@@ -7,6 +7,7 @@ from typing import NoReturn
 import jax
 
 from vit_jax import console
+from vit_jax import interrupts
 from vit_jax.distributed import gone_process
 from vit_jax.distributed import heartbeats
 
@@ -49,13 +50,19 @@ def exit_for_failed_process(process: int, line: str) -> None:
            f'process {process} stopped: {line}')
 
 
-def exit_with_error(line: str, peers: heartbeats.PeerWatch | None) -> NoReturn:
-  """Ends this process with its error's one `line` (exit status 1). With other processes
-  (`peers`), it first tells them, and they stop with the line too (`heartbeats.PeerWatch.fail`)."""
-  if peers is None:
+def exit_with_error(line: str, peers: heartbeats.PeerWatch | None,
+                    signum: int | None = None) -> NoReturn:
+  """Ends this process with its error's one `line`: exit status 1, or where the user stopped it
+  at once (a Ctrl-C, `signum`), by that signal, as Python ends on an uncaught one. With other
+  processes (`peers`), it first tells them, and they stop with the line too
+  (`heartbeats.PeerWatch.fail`)."""
+  if peers is None and signum is None:
     sys.exit(line)
   write_line(line)
-  peers.fail(line)
+  if peers is not None:
+    peers.fail(line)
+  if signum is not None:
+    interrupts.end_by(signum)
   os._exit(1)
 
 

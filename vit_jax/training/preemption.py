@@ -1,6 +1,7 @@
 """SIGTERM and Ctrl-C in a run (`PreemptionWatcher`): the first stops training at the next step
-boundary, where the loop checkpoints and exits 0, or stops an evaluation in progress
-(`EvaluationStopped`) on every process at the same batch; a second Ctrl-C stops at once.
+boundary, where the loop checkpoints and returns (`main` then ends the run unfinished), or stops
+an evaluation in progress (`EvaluationStopped`) on every process at the same batch; a second
+Ctrl-C stops at once.
 """
 import contextlib
 import functools

@@ -7,6 +7,7 @@ and at the end the params as `WORKDIR/model.npz` in the published format.
 from collections.abc import Callable
 import logging
 import os
+import signal
 import time
 
 from clu import metric_writers
@@ -83,8 +84,9 @@ def restore_or_start(config, checkpoints: Checkpoints, shapes: TrainState, shard
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (or fine-tunes, with `config.pretrained_path`) and evaluates; returns last metrics.
 
-  A workdir holding a checkpoint resumes from its newest intact one. The metrics hold
-  'preempted_at_step' after a SIGTERM or SIGINT (its checkpoint is then written and confirmed).
+  A workdir holding a checkpoint resumes from its newest intact one. After a SIGTERM or SIGINT
+  the metrics hold 'preempted_at_step' (its checkpoint is then written and confirmed) and
+  'preempted_by_signal', that signal's number.
   """
   validate_config(config, jax.device_count())
   resume.check_holds_no_other_files(workdir)
@@ -265,9 +267,10 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
       if checkpointed:
         save_finite(checkpoints, step, state, metrics, train_iter)
       if preempted:
+        signal_name = watcher.signal_name or 'SIGTERM'
         logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
-                        watcher.signal_name or 'SIGTERM')
-        return state, {**last_metrics, 'preempted_at_step': step}
+                        signal_name)
+        return state, {**last_metrics, **preempted_metrics(step, signal_name)}
       eval_start = time.perf_counter()
       try:
         with watcher.stops_evaluation(
@@ -359,7 +362,12 @@ def stop_evaluation(stopped: preemption.EvaluationStopped, step: int,
   rerun = 'only evaluates it' if final else 'resumes after it, without this evaluation'
   logging.warning('%s during the evaluation of step %d: stopping it now, with the checkpoint '
                   'of step %d; a rerun %s.', stopped.signal_name, step, step, rerun)
-  return {'preempted_at_step': step}
+  return preempted_metrics(step, stopped.signal_name)
+
+
+def preempted_metrics(step: int, signal_name: str) -> dict[str, int]:
+  """The metrics of a run that the signal `signal_name` ('SIGTERM', 'SIGINT') stopped at `step`."""
+  return {'preempted_at_step': step, 'preempted_by_signal': int(signal.Signals[signal_name])}
 
 
 def offer_finite_checkpoint(checkpoints: Checkpoints, bad_step: int,
