@@ -178,8 +178,9 @@ def interrupt(run, workdir, signal_name, at_step):
   assert run.finish() == {'SIGINT': -signal.SIGINT, 'SIGTERM': 128 + signal.SIGTERM}[signal_name], (
       run.log)
   # Stopped between steps, or in the evaluation of the step the signal came after.
-  stopped = re.search(rf'Preempted at step (\d+) \({signal_name}\)|'
-                      rf'{signal_name} during the evaluation of step (\d+)', run.log)
+  said = {'SIGINT': 'Ctrl-C', 'SIGTERM': 'SIGTERM'}[signal_name]
+  stopped = re.search(rf'{said} at step (\d+): checkpointing it and stopping|'
+                      rf'{said} during the evaluation of step (\d+)', run.log)
   assert stopped, run.log
   step = int(stopped[1] or stopped[2])
   assert str(step) in os.listdir(workdir / 'checkpoints')

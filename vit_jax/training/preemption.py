@@ -29,6 +29,11 @@ class EvaluationStopped(Exception):
 STOP_REPEAT_S = 0.2  # How often a stopped evaluation is told again (PreemptionWatcher).
 
 
+def stop_name(signal_name: str) -> str:
+  """What the console calls a stop by `signal_name`: 'Ctrl-C' for 'SIGINT', else the name."""
+  return 'Ctrl-C' if signal_name == 'SIGINT' else signal_name
+
+
 def _drop_evaluation_stopped(previous: Callable, unraisable) -> None:
   """sys.unraisablehook in `stops_evaluation`: an EvaluationStopped that a callback swallowed
   (JAX's of each garbage collection; Python would print "Exception ignored in ...") is left

@@ -268,8 +268,8 @@ def run_steps(config, state, train_step, evals: list[evaluators.Evaluator], trai
         save_finite(checkpoints, step, state, metrics, train_iter)
       if preempted:
         signal_name = watcher.signal_name or 'SIGTERM'
-        logging.warning('Preempted at step %d (%s): checkpointing it and stopping.', step,
-                        signal_name)
+        logging.warning('%s at step %d: checkpointing it and stopping.',
+                        preemption.stop_name(signal_name), step)
         return state, {**last_metrics, **preempted_metrics(step, signal_name)}
       eval_start = time.perf_counter()
       try:
@@ -361,7 +361,8 @@ def stop_evaluation(stopped: preemption.EvaluationStopped, step: int,
   of a preemption at `step`."""
   rerun = 'only evaluates it' if final else 'resumes after it, without this evaluation'
   logging.warning('%s during the evaluation of step %d: stopping it now, with the checkpoint '
-                  'of step %d; a rerun %s.', stopped.signal_name, step, step, rerun)
+                  'of step %d; a rerun %s.', preemption.stop_name(stopped.signal_name), step, step,
+                  rerun)
   return preempted_metrics(step, stopped.signal_name)
 
 
