@@ -163,6 +163,17 @@ def test_a_peer_timeout_that_jax_or_the_heartbeats_would_overrule_is_one_line():
 # Workdirs.
 
 
+def test_a_dataset_folder_that_does_not_exist_is_one_line_and_makes_no_workdir(tmp_path):
+  # A mistyped path made workdirs/default_no_such_folder/, holding a lock and nothing else.
+  status, output = run('vit_jax.main', '--config.dataset=/no/such/folder', cwd=tmp_path)
+  assert status == 1 and 'Traceback' not in output
+  assert last_line(output) == (
+      "Config error: config.dataset='/no/such/folder' is a path, and no folder exists there "
+      f'(relative paths start at {tmp_path}): give an image folder DIR with DIR/train/<class>/ '
+      'and DIR/test/<class>/, or DIR/<class>/.')
+  assert os.listdir(tmp_path) == []
+
+
 def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
   (tmp_path / 'file').write_text('mine')
   status, output = run('vit_jax.main', f'--config={TINY_CONFIG}', f'--workdir={tmp_path}/file')

@@ -221,6 +221,7 @@ def main(argv):
   logging.info('Workdir: %s', os.path.abspath(workdir))
   try:  # Before TensorFlow is imported: a bad value is reported in seconds.
     checks.validate_config(config, jax.device_count())
+    checks.check_dataset_folder(config)
   except checks.ConfigError as e:
     sys.exit(f'Config error: {e}')
   with interrupts.ctrl_c_kept():

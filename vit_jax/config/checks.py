@@ -22,6 +22,7 @@ from vit_jax.checkpoints import published
 from vit_jax.checkpoints import runs
 from vit_jax.config import defaults
 from vit_jax.config import fields
+from vit_jax.data import image_files
 from vit_jax.errors import ConfigError  # Re-exported: callers catch validation.ConfigError.
 from vit_jax.models import attention
 from vit_jax.models import encoder
@@ -155,6 +156,15 @@ def values_error(config: ml_collections.ConfigDict) -> str | None:
     if config[field] not in choices:
       return f'config.{field}={config[field]!r} is not one of {choices}.'
   return None
+
+
+def check_dataset_folder(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError where `config.dataset` can only be a folder and none is there: for `main`,
+  before the run takes its workdir, so that a mistyped path leaves no folder behind (the plan of
+  a run needs no data, and validate_config leaves the dataset to the data sources)."""
+  if (image_files.names_a_folder(config.dataset)
+      and not os.path.isdir(os.path.expanduser(config.dataset))):
+    raise ConfigError(image_files.no_folder_line(config.dataset))
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int,

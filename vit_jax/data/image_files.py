@@ -19,6 +19,19 @@ IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
 EXIF_ORIENTATION = 0x0112  # The EXIF tag of how to show the pixels; 5 to 8 swap the sides.
 
 
+def names_a_folder(dataset: str) -> bool:
+  """Whether `config.dataset` can only be a folder's path, not a tfds name: it starts with '.',
+  '/' or '~', or ends with '/'. ('my/photos' may be either: tfds is asked first.)"""
+  return dataset.startswith(('.', '/', '~')) or dataset.endswith('/')
+
+
+def no_folder_line(dataset: str) -> str:
+  """The error for a `config.dataset` path where no folder exists."""
+  return (f'config.dataset={dataset!r} is a path, and no folder exists there (relative paths '
+          f'start at {os.getcwd()}): give an image folder DIR with DIR/train/<class>/ and '
+          'DIR/test/<class>/, or DIR/<class>/.')
+
+
 def visible(names: Iterable[str]) -> list[str]:
   """The file or folder `names` that are not hidden (do not start with '.'): an image folder's
   contents without Jupyter's .ipynb_checkpoints or macOS's .DS_Store and ._NAME.jpg files."""

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from vit_jax.data import embedded
 from vit_jax.data import folders
+from vit_jax.data import image_files
 from vit_jax.data import segmentation
 from vit_jax.data import shards
 from vit_jax.data import tfds_source
@@ -63,10 +64,7 @@ def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '')
   '.' or '~') that does not exist, or a tfds name that tfds did not take (`tfds_error`: the first
   line of its message)."""
   if '/' in dataset or dataset.startswith(('.', '~')):
-    return FileNotFoundError(
-        f'config.dataset={dataset!r} is a path, and no folder exists there (relative paths start '
-        f'at {os.getcwd()}): give an image folder DIR with DIR/train/<class>/ and '
-        'DIR/test/<class>/, or DIR/<class>/.')
+    return FileNotFoundError(image_files.no_folder_line(dataset))
   return ValueError(
       f'config.dataset={dataset!r} is neither {embedded.DATASET!r}, an existing image folder, '
       f'nor a tfds dataset (config.tfds_data_dir={data_dir!r}{"; tfds: " if tfds_error else ""}'
@@ -81,7 +79,7 @@ def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffe
     return segmentation_source()
   if os.path.isdir(os.path.expanduser(dataset)):
     return folders.FolderSource(os.path.expanduser(dataset), skip_bad_images)
-  if dataset.startswith(('.', '/', '~')) or dataset.endswith('/'):  # Not a tfds name.
+  if image_files.names_a_folder(dataset):
     raise no_such_dataset(dataset, data_dir)
   try:
     return tfds_source.TfdsSource(dataset, data_dir, manual_dir, shuffle_buffer)
