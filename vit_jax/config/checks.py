@@ -162,9 +162,8 @@ def check_dataset_folder(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError where `config.dataset` can only be a folder and none is there: for `main`,
   before the run takes its workdir, so that a mistyped path leaves no folder behind (the plan of
   a run needs no data, and validate_config leaves the dataset to the data sources)."""
-  if (image_files.names_a_folder(config.dataset)
-      and not os.path.isdir(os.path.expanduser(config.dataset))):
-    raise ConfigError(image_files.no_folder_line(config.dataset))
+  if error := image_files.missing_folder(config.dataset):
+    raise ConfigError(error)
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int,

@@ -19,10 +19,14 @@ IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
 EXIF_ORIENTATION = 0x0112  # The EXIF tag of how to show the pixels; 5 to 8 swap the sides.
 
 
-def names_a_folder(dataset: str) -> bool:
-  """Whether `config.dataset` can only be a folder's path, not a tfds name: it starts with '.',
-  '/' or '~', or ends with '/'. ('my/photos' may be either: tfds is asked first.)"""
-  return dataset.startswith(('.', '/', '~')) or dataset.endswith('/')
+def missing_folder(dataset: str) -> Optional[str]:
+  """The error (`no_folder_line`) for a `config.dataset` that can only be a folder's path, not a
+  tfds name, where no folder exists; None for any other. Only a folder's path starts with '.',
+  '/' or '~', or ends with '/' ('my/photos' may be either: tfds is asked first)."""
+  if ((dataset.startswith(('.', '/', '~')) or dataset.endswith('/'))
+      and not os.path.isdir(os.path.expanduser(dataset))):
+    return no_folder_line(dataset)
+  return None
 
 
 def no_folder_line(dataset: str) -> str:

@@ -59,11 +59,11 @@ def segmentation_source() -> shards.ArraySource:
                             per_pixel_labels=True)
 
 
-def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str = '') -> Exception:
-  """The error for a `config.dataset` that names nothing: a path (it holds a '/' or starts with
-  '.' or '~') that does not exist, or a tfds name that tfds did not take (`tfds_error`: the first
-  line of its message)."""
-  if '/' in dataset or dataset.startswith(('.', '~')):
+def no_such_dataset(dataset: str, data_dir: Optional[str], tfds_error: str) -> Exception:
+  """The error for a `config.dataset` that tfds did not take (`tfds_error`: the first line of its
+  message) and no folder holds: a path where one holds a '/' (`image_files.missing_folder` has
+  taken those that can only be paths), else an unknown name."""
+  if '/' in dataset:
     return FileNotFoundError(image_files.no_folder_line(dataset))
   return ValueError(
       f'config.dataset={dataset!r} is neither {embedded.DATASET!r}, an existing image folder, '
@@ -77,10 +77,10 @@ def _cached_source(dataset, data_dir, manual_dir, skip_bad_images, shuffle_buffe
     return embedded_source()
   if dataset == embedded.SEGMENTATION_DATASET:
     return segmentation_source()
+  if error := image_files.missing_folder(dataset):
+    raise FileNotFoundError(error)
   if os.path.isdir(os.path.expanduser(dataset)):
     return folders.FolderSource(os.path.expanduser(dataset), skip_bad_images)
-  if image_files.names_a_folder(dataset):
-    raise no_such_dataset(dataset, data_dir)
   try:
     return tfds_source.TfdsSource(dataset, data_dir, manual_dir, shuffle_buffer)
   except tfds_source.UnknownDataset as e:
