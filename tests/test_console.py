@@ -83,6 +83,29 @@ def test_what_an_import_made_is_left_out_of_later_collections():
     gc.unfreeze()
 
 
+def test_a_deferred_package_fails_to_import_inside_and_imports_after(tmp_path, monkeypatch):
+  (tmp_path / 'deferred_pkg').mkdir()
+  (tmp_path / 'deferred_pkg' / '__init__.py').write_text('VALUE = 7\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with console.imports_deferred(('deferred_pkg', 'gc')):
+    with pytest.raises(ImportError):
+      import deferred_pkg  # noqa: F401
+    import gc as imported_before  # Imported already: untouched.
+  assert imported_before is gc
+  import deferred_pkg
+  assert deferred_pkg.VALUE == 7
+  monkeypatch.delitem(sys.modules, 'deferred_pkg')
+
+
+def test_tensorflow_imports_without_keras_and_tf_keras_loads_it_when_used():
+  # In a fresh Python: this one imported TensorFlow, and Keras with it, long ago.
+  code = ('import sys; from vit_jax import console; console.setup(False); import tensorflow as tf; '
+          "print('keras' in sys.modules, tf.keras.layers.Dense(3).units, 'keras' in sys.modules)")
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, 'XLA_FLAGS': xla_flags(None)})
+  assert result.stdout == 'False 3 True\n', result.stderr
+
+
 def test_filter_passes_project_lines_and_library_warnings():
   passes = console.ProjectOnly().filter
   assert passes(record(trainer, logging.INFO))

@@ -179,13 +179,32 @@ def collector_paused() -> Iterator[None]:
       gc.enable()
 
 
+@contextlib.contextmanager
+def imports_deferred(names: tuple[str, ...]) -> Iterator[None]:
+  """Inside, an import of any of the top-level packages `names` not imported yet fails with
+  ImportError; after the block they import as usual, on first use. For TensorFlow's import,
+  whose `__init__` loads all of Keras 3 (matplotlib's pyplot included) only to register Keras's
+  optimizers, inside a `try` that passes on ImportError: about a quarter of its time, for a
+  library vit_jax does not use. `tf.keras` still loads Keras when it is first used."""
+  deferred = [name for name in names if name not in sys.modules]
+  for name in deferred:
+    sys.modules[name] = None  # Python's way to make `import name` raise ImportError.
+  try:
+    yield
+  finally:
+    for name in deferred:
+      if sys.modules.get(name, '') is None:
+        del sys.modules[name]
+
+
 class QuietFirstImport(importlib.abc.MetaPathFinder):
   """An import hook (for sys.meta_path) that runs the first import of the package `name` inside
-  `native_info_lines_dropped` and `collector_paused`, then takes itself off sys.meta_path.
-  Finds nothing itself: the finders after it find the package."""
+  `native_info_lines_dropped`, `collector_paused` and `imports_deferred(deferred)`, then takes
+  itself off sys.meta_path. Finds nothing itself: the finders after it find the package."""
 
-  def __init__(self, name: str):
+  def __init__(self, name: str, deferred: tuple[str, ...] = ()):
     self.name = name
+    self.deferred = deferred
 
   def find_spec(self, fullname: str, path=None, target=None):
     del path, target
@@ -197,7 +216,8 @@ class QuietFirstImport(importlib.abc.MetaPathFinder):
       exec_module = spec.loader.exec_module
 
       def quiet_exec_module(module):
-        with native_info_lines_dropped(), collector_paused():
+        with (native_info_lines_dropped(), collector_paused(),
+              imports_deferred(self.deferred)):
           exec_module(module)
 
       spec.loader.exec_module = quiet_exec_module
@@ -209,7 +229,8 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
 
   Quiet also hides TensorFlow's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL=1 unless set, and the lines
   it prints all the same as it loads, whichever module imports it and whenever), which works
-  only before TensorFlow is first imported, and, off a terminal, tfds's progress bars.
+  only before TensorFlow is first imported, and, off a terminal, tfds's progress bars. That first
+  import also leaves Keras to load when it is first used (`imports_deferred`).
   """
   root = logging.getLogger()
   root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
@@ -218,7 +239,7 @@ def setup(log_all: bool, stream: TextIO = sys.stderr) -> None:
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   if 'tensorflow' not in sys.modules and not any(
       isinstance(finder, QuietFirstImport) for finder in sys.meta_path):
-    sys.meta_path.insert(0, QuietFirstImport('tensorflow'))
+    sys.meta_path.insert(0, QuietFirstImport('tensorflow', deferred=('keras',)))
   handler = ProgressBarHandler(stream) if stream.isatty() else logging.StreamHandler(stream)
   handler.addFilter(ProjectOnly())
   handler.setFormatter(ConsoleFormatter())
