@@ -32,6 +32,18 @@ def test_a_classification_evaluator_reports_accuracy_and_loss_under_its_name():
   assert evaluator.line(metrics, 1.0).startswith('test accuracy ')
 
 
+def test_a_split_smaller_than_batch_eval_is_one_batch_of_its_size_with_the_same_metrics():
+  config = tiny_config(batch_eval=64)
+  config.evals.test.update(type='classification', split='test[:10]')
+  evaluator, params = built(config, 'test')
+  assert evaluator.data.batch_eval == 12  # 10 images on 4 devices, not 64.
+  padded_to_64 = evaluator.data.copy_and_resolve_references()
+  padded_to_64.batch_eval = 64
+  expected = evaluators.classification.evaluate(evaluator.eval_step, params, padded_to_64,
+                                                evaluator.mesh)
+  assert evaluator.run(params) == pytest.approx(expected, rel=1e-5)
+
+
 def test_the_objectives_evaluator_of_masked_patch_prediction_is_mpp():
   config = tiny_config(objective='masked_patch_prediction')
   config.evals.test.split = 'test[:200]'

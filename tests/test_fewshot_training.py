@@ -76,6 +76,19 @@ def test_a_second_evaluation_compiles_nothing(tiny, caplog):
   assert first[5]['accuracy'] != second[5]['accuracy']  # It did evaluate the other params.
 
 
+def test_the_shots_and_a_small_test_split_share_one_batch_that_fits_them(tiny, caplog):
+  config, model, params = tiny
+  small = config.copy_and_resolve_references()
+  small.test_split, small.batch_eval = 'test[:50]', 512
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    result = linear_probe.evaluate(model, params, small, shots=(1,), seeds=(0,), holdout=3)
+  compiled = [line for line in compilations(caplog) if 'features' in line]
+  # 40 training images (1 shot and 3 held out of each of 10 classes) and 50 test images: one
+  # batch of 52 rows (4 devices) for both, not two shapes, nor 512 rows.
+  assert len(compiled) == 1 and 'float32[52,28,28,3]' in compiled[0], compiled
+  assert result['num_test'] == 50
+
+
 def test_a_model_without_one_feature_vector_per_image_is_a_one_line_error(tiny):
   config = tiny_config.get_config()
   config.evals.fewshot.update(datasets=('fashion_mnist_embedded',), num_train=1000, num_test=400)

@@ -388,26 +388,25 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
   return ', '.join(changes) or 'other examples, as many as when saved'
 
 
-def eval_batch_size(config, process_count: int, data_devices: int) -> int:
-  """The global batch of an evaluation of config.test_split: config.batch_eval, or, for a split
-  that fills less than one such batch, the split rounded up to a multiple of `data_devices` and
-  of `process_count`, so that each process and device gets as many rows. 10 test images on 2
-  devices are one batch of 10, not of 512 with 502 padded ones to compute."""
-  largest_share = max(sources.get_source(config).shard_sizes(config.test_split, process_count))
-  multiple = math.lcm(data_devices, process_count)
-  fits_all = max(1, math.ceil(largest_share * process_count / multiple)) * multiple
-  return min(config.batch_eval, fits_all)
+def eval_batch_size(config, mesh: jax.sharding.Mesh, examples: Optional[int] = None) -> int:
+  """config.batch_eval, or, where `examples` (default: those of config.test_split) fill less than
+  one such batch, `examples` rounded up to a multiple of the devices of the mesh's 'data' axis and
+  of the processes, so that each gets as many rows: 10 test images on 2 devices are one batch of
+  10, not one of 512 with 502 padded ones to compute."""
+  process_count = jax.process_count()
+  if examples is None:  # As many rows as the largest process share, in every process.
+    source = sources.get_source(config)
+    examples = max(source.shard_sizes(config.test_split, process_count)) * process_count
+  multiple = math.lcm(mesh.shape['data'], process_count)
+  return min(config.batch_eval, max(1, math.ceil(examples / multiple)) * multiple)
 
 
 def get_eval_iterator(config, mesh: jax.sharding.Mesh) -> Iterator[Batch]:
-  """One pass over `config.test_split`: global batches `{'image', 'label', 'mask'}` of
-  `eval_batch_size` examples.
+  """One pass over `config.test_split`: global batches `{'image', 'label', 'mask'}`.
 
   Every example appears exactly once with mask 1; the last batches are padded with mask 0.
   """
   sharding = _data_sharding(mesh, config.batch_eval, 'batch_eval')
-  config = config.copy_and_resolve_references()
-  config.batch_eval = eval_batch_size(config, jax.process_count(), mesh.shape['data'])
   local_batches = eval_batches(config, process_index=jax.process_index(),
                                process_count=jax.process_count())
   return prefetch_to_mesh(local_batches, sharding, config.get('prefetch', 2))

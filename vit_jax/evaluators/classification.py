@@ -122,6 +122,7 @@ class ClassificationEvaluator:
         pipeline.get_dataset_info(self.data)
       except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f'config.evals.{name}.split={entry.split!r}: {e}') from None
+    self.data.batch_eval = pipeline.eval_batch_size(self.data, mesh)
     self.eval_step = jax.jit(self.make_eval_step(model, config))
 
   @staticmethod

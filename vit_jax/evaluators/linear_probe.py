@@ -306,6 +306,11 @@ def padded(rows: np.ndarray, size: int) -> np.ndarray:
   return np.concatenate([rows, np.zeros((size - len(rows),) + rows.shape[1:], rows.dtype)])
 
 
+def drawn_positions(draws) -> np.ndarray:
+  """The sorted positions in the training split of every image that `draws` choose."""
+  return np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
+
+
 def train_batches(config, labels: np.ndarray, draws, shots: Sequence[int],
                   mesh: jax.sharding.Mesh) -> Iterator[dict]:
   """The shots and held-out images of `draws` of config.train_split with their `membership`:
@@ -313,7 +318,7 @@ def train_batches(config, labels: np.ndarray, draws, shots: Sequence[int],
   the mesh's 'data' axis, zero rows (zero weights) after the last image. Each process reads and
   preprocesses its own contiguous share of the images."""
   from vit_jax.data import pipeline
-  positions = np.unique(np.concatenate([a.ravel() for draw in draws for a in draw]))
+  positions = drawn_positions(draws)
   mine = np.array_split(positions, jax.process_count())[jax.process_index()]
   batch = pipeline.local_batch_size(config, 'batch_eval', jax.process_count())
   is_shot, is_held_out = membership(mine, draws, shots)
@@ -382,6 +387,10 @@ def evaluate(model, params, config, shots: Sequence[int], seeds: Sequence[int],
   num_classes = len(label_names)
   draws = [choose_shots(labels, num_classes, max(shots), holdout, seed, label_names)
            for seed in seeds]
+  # One batch size for the shots and the test images, so that `features` compiles once.
+  config = config.copy_and_resolve_references()
+  config.batch_eval = max(pipeline.eval_batch_size(config, mesh, len(drawn_positions(draws))),
+                          pipeline.eval_batch_size(config, mesh))
 
   start = time.perf_counter()
   pacer = hardware.Pacer()
