@@ -1,22 +1,21 @@
 """`--config=configs/scratch_small.py:DIR[,CROP]`: a small ViT from scratch on a small image folder.
 
 DIR holds DIR/train/<class>/* and DIR/test/<class>/*, or DIR/<class>/* (a tenth of each class held
-out to test; vit_jax/data/folders.py); CROP is the resolution (default 64 px, a multiple of 8). A
-few thousand to a few hundred thousand images train a ViT poorly without strong augmentation and
+out to test; vit_jax/data/image_files.py); CROP is the resolution (default 64 px, a multiple of 8).
+A few thousand to a few hundred thousand images train a ViT poorly without strong augmentation and
 regularisation ("How to train your ViT?", Steiner et al., 2021: on less data, more AugReg), so this
-preset takes the paper's recipe to small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8
-patches, AdamW (lr 1e-3, weight decay 0.05) with warmup and cosine decay over 100 epochs of batch
-128 (a smaller power of two for a folder of fewer images), Inception crops of 25-100% of the area,
-flips, RandAugment (2, 10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout
-0.1 and stochastic depth 0.1. These are a starting point, not tuned values: the A/B of the default
-run in docs/experiments.md shows what each costs on 28 px Fashion-MNIST."""
+preset takes the paper's recipe to small data: a 6-block ViT of width 192 (ViT-Ti's) on 8x8 patches,
+AdamW (lr 1e-3, weight decay 0.05) with warmup and cosine decay over 100 epochs of batch 128 (a
+smaller power of two for a folder of fewer images), Inception crops of 25-100% of the area, flips,
+RandAugment (2, 10) and Mixup 0.2 (AugReg's 'light2' level), label smoothing 0.1 and dropout 0.1 and
+stochastic depth 0.1. These are a starting point, not tuned values: the A/B of the default run in
+docs/experiments.md shows what each costs on 28 px Fashion-MNIST."""
 import math
 import os
 
 import ml_collections
 
 from vit_jax.config import defaults
-from vit_jax.data import folders
 from vit_jax.data import image_files
 from vit_jax.models import registry
 
@@ -35,9 +34,9 @@ def count_images(folder: str) -> int:
 def training_images(folder: str) -> int:
   """The images a run on the image folder `folder` trains on: those of folder/train, or of a
   folder that holds its class folders itself, all but its held-out test share."""
-  if not (os.path.isdir(folder) and folders.is_flat_folder(folder)):
+  if not (os.path.isdir(folder) and image_files.is_flat_folder(folder)):
     return count_images(os.path.join(folder, 'train'))
-  return folders.flat_train_size([count_images(os.path.join(folder, name))
+  return image_files.flat_train_size([count_images(os.path.join(folder, name))
                                   for name in image_files.subfolders(folder)])
 
 

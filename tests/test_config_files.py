@@ -1,4 +1,8 @@
 """Tests of the configs/ files as `--config=configs/FILE.py:ARG` loads them: by path."""
+import os
+import subprocess
+import sys
+
 from absl import flags
 from ml_collections import config_flags
 import pytest
@@ -24,7 +28,8 @@ def load(argument: str):
   return flag_values.config
 
 
-@pytest.mark.parametrize('argument, model_name', [
+# A config file of each kind, with the model it names.
+CONFIG_FILES = [
     ('configs/vit.py:b16,cifar10', 'ViT-B_16'),
     ('configs/vit.py:ViT-L_16,imagenet2012', 'ViT-L_16'),
     ('configs/vit.py:r50_b16,/data/my_images', 'R50+ViT-B_16'),
@@ -34,7 +39,12 @@ def load(argument: str):
     ('configs/augreg.py:B/16,i1k,medium2', 'ViT-B_16'),
     ('configs/default.py', 'ViT-mini_7'),
     ('configs/scratch_small.py:/no/such/folder', 'ViT-Ti_8-6'),
-])
+    ('configs/finetune.py:56', 'ViT-mini_7'),
+    ('configs/segmentation.py', 'ViT-mini_7'),
+]
+
+
+@pytest.mark.parametrize('argument, model_name', CONFIG_FILES)
 def test_each_config_file_loads_by_path_with_its_model(argument, model_name):
   config = load(argument)
   assert config.model_name == model_name
@@ -46,3 +56,19 @@ def test_every_short_name_means_the_same_model_in_vit_and_mpp():
   for short_name, name in SHORT_NAMES.items():
     assert load(f'configs/vit.py:{short_name},cifar10').model.name == name
     assert load(f'configs/mpp.py:{short_name},imagenet2012').model.name == name
+
+
+def test_no_config_file_imports_tensorflow():
+  # vit_jax.main reads --config before it sets its console up: a config file that imported
+  # TensorFlow would print TensorFlow's native start-up lines first (and spend its seconds
+  # importing it before a config error). In a fresh Python: this one has imported it.
+  code = ('import sys; from absl import flags; from ml_collections import config_flags\n'
+          'for argument in sys.argv[1:]:\n'
+          '  values = flags.FlagValues(); config_flags.DEFINE_config_file("config", '
+          'flag_values=values)\n'
+          '  values(["main", f"--config={argument}"]); values.config\n'
+          'print(sorted(name for name in sys.modules if name.startswith("tensorflow")))')
+  result = subprocess.run([sys.executable, '-c', code, *(a for a, _ in CONFIG_FILES)],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.stdout == '[]\n', result.stderr[-2000:]

@@ -9,7 +9,7 @@ import csv
 import functools
 import os
 import re
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional
 
 from absl import logging
 import numpy as np
@@ -19,23 +19,17 @@ import tensorflow as tf
 from vit_jax.data import image_ops
 from vit_jax.data import orientation
 from vit_jax.data import shards
-from vit_jax.data.image_files import (files_under, IMAGE_EXTENSIONS, IMAGES, is_image_file, MASKS,
-                                      shown_size, subfolders, visible)
+from vit_jax.data.image_files import (files_under, FLAT_SPLITS, FLAT_TEST_FRACTION,
+                                      flat_test_count, IMAGE_EXTENSIONS, IMAGES, is_flat_folder,
+                                      is_image_file, LABELS_CSV, MASKS, shown_size, subfolders,
+                                      visible)
 
 
-# In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
-# DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
-LABELS_CSV = 'labels.csv'
 # An image folder DIR labelled per pixel (IMAGES and MASKS: image_files): DIR/CLASSES_TXT, where
 # it exists, names the classes, line i class i.
 CLASSES_TXT = 'classes.txt'
 MASK_IGNORE = 255  # config.seg.ignore_label's default.
 _FILE_ORDER_SEED = 0  # Fixes the stored order of image folders, so that slices are class-mixed.
-# A folder of class folders with no train/ split, DIR/<class_name>/*.jpg (as torchvision's
-# ImageFolder reads one): the last FLAT_TEST_FRACTION of each class's images in the fixed
-# class-mixed order (flat_test_count) are its split `test`, the others its split `train`.
-FLAT_SPLITS = ('train', 'test')
-FLAT_TEST_FRACTION = 0.1
 
 
 def decode_image_file(path: tf.Tensor,
@@ -300,16 +294,6 @@ def _drop_undecodable(split: str, paths: np.ndarray,
   return paths[keep], labels[keep]
 
 
-def is_flat_folder(directory: str) -> bool:
-  """Whether `directory` holds its class folders itself: no train/ split and no labels.csv, and
-  a subfolder with an image in it or in a folder of its own."""
-  if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
-      os.path.join(directory, LABELS_CSV)):
-    return False
-  return any(is_image_file(path) for subfolder in subfolders(directory)
-             for path in files_under(os.path.join(directory, subfolder)))
-
-
 def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
   """Paths and labels of split `split` of the flat folder `directory` (FLAT_SPLITS)."""
   if split not in FLAT_SPLITS:
@@ -324,18 +308,6 @@ def _flat_split(directory: str, split: str, classes: list[str]) -> tuple[np.ndar
     held_out[positions[len(positions) - flat_test_count(len(positions)):]] = True
   part = held_out if split == 'test' else ~held_out
   return paths[part], labels[part]
-
-
-def flat_test_count(images: int) -> int:
-  """How many of the `images` of one class of a flat folder are held out as its split `test`:
-  a tenth, and at least one of a class of two or more, so that every class is tested."""
-  return max(1, round(images * FLAT_TEST_FRACTION)) if images > 1 else 0
-
-
-def flat_train_size(class_sizes: Sequence[int]) -> int:
-  """How many images of a flat folder whose classes hold `class_sizes` images are its split
-  `train`; the rest are `test`."""
-  return sum(images - flat_test_count(images) for images in class_sizes)
 
 
 class FolderSource(shards.ArraySource):

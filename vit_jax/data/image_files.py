@@ -1,6 +1,7 @@
-"""A user's own files for a trained model: images to classify or look into, read at the model's
-resolution, and class names, one a line. PIL and NumPy only: no TensorFlow.
-"""
+"""A user's own files: how an image folder is laid out (its classes, the test share held out of a
+folder without split folders), images to classify or look into, read at a model's resolution,
+and class names, one a line. PIL and NumPy only, no TensorFlow: config files and the tools read
+them before anything imports TensorFlow (data/folders.py reads the folders for tf.data)."""
 import collections
 import importlib.util
 import os
@@ -14,6 +15,14 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')  # tf.io.d
 # An image folder DIR labelled per pixel: each DIR/<split>/IMAGES/NAME.ext pairs with the mask
 # DIR/<split>/MASKS/NAME.png, an 8-bit greyscale PNG of class ids (data/folders.py reads them).
 IMAGES, MASKS = 'images', 'masks'
+# In an image folder DIR, the labels of a multi-label folder: columns `file` (a path relative to
+# DIR, e.g. train/0001.jpg) and `labels` (the image's class names, separated by spaces).
+LABELS_CSV = 'labels.csv'
+# A folder of class folders with no train/ split, DIR/<class_name>/*.jpg (as torchvision's
+# ImageFolder reads one): the last FLAT_TEST_FRACTION of each class's images in the fixed
+# class-mixed order (flat_test_count) are its split `test`, the others its split `train`.
+FLAT_SPLITS = ('train', 'test')
+FLAT_TEST_FRACTION = 0.1
 # The class names of tfds' imagenet2012 (WordNet IDs), in label order; read without importing tfds.
 IMAGENET2012_LABELS = ('datasets', 'imagenet2012', 'labels.txt')
 EXIF_ORIENTATION = 0x0112  # The EXIF tag of how to show the pixels; 5 to 8 swap the sides.
@@ -58,6 +67,28 @@ def files_under(folder: str, skip: Sequence[str] = ()) -> Iterator[str]:
   for parent, subfolders, names in os.walk(folder):
     subfolders[:] = sorted(name for name in visible(subfolders) if name not in skip)
     yield from (os.path.join(parent, name) for name in sorted(visible(names)))
+
+
+def is_flat_folder(directory: str) -> bool:
+  """Whether `directory` holds its class folders itself: no train/ split and no labels.csv, and
+  a subfolder with an image in it or in a folder of its own."""
+  if os.path.exists(os.path.join(directory, 'train')) or os.path.exists(
+      os.path.join(directory, LABELS_CSV)):
+    return False
+  return any(is_image_file(path) for subfolder in subfolders(directory)
+             for path in files_under(os.path.join(directory, subfolder)))
+
+
+def flat_test_count(images: int) -> int:
+  """How many of the `images` of one class of a flat folder are held out as its split `test`:
+  a tenth, and at least one of a class of two or more, so that every class is tested."""
+  return max(1, round(images * FLAT_TEST_FRACTION)) if images > 1 else 0
+
+
+def flat_train_size(class_sizes: Sequence[int]) -> int:
+  """How many images of a flat folder whose classes hold `class_sizes` images are its split
+  `train`; the rest are `test`."""
+  return sum(images - flat_test_count(images) for images in class_sizes)
 
 
 def imagenet2012_labels_path() -> str:
