@@ -115,6 +115,16 @@ def test_bad_config_is_reported_in_one_line_before_anything_runs(tmp_path):
       '4 data-parallel devices: make it a multiple of 4.')
 
 
+def test_a_run_stopped_before_it_wrote_anything_leaves_no_workdir_of_its_own(tmp_path):
+  status, log = run_main(tmp_path / 'run', {'dataset': 'no_such_dataset'})
+  assert status == 1 and log.strip().splitlines()[-1].startswith(
+      "Config error: config.dataset='no_such_dataset' is neither "), log
+  assert not os.path.exists(tmp_path / 'run')  # Not even its lock.
+  (tmp_path / 'mine').mkdir()  # A folder the user made stays, with the lock of the run.
+  status, _ = run_main(tmp_path / 'mine', {'dataset': 'no_such_dataset'})
+  assert status == 1 and os.listdir(tmp_path / 'mine') == ['lock']
+
+
 def test_the_legacy_keras_switch_without_tf_keras_is_one_line_before_anything_runs(tmp_path):
   assert importlib.util.find_spec('tf_keras') is None  # Not among the requirements.
   result = preloaded.run(['-m', 'vit_jax.main', f'--config={TINY_CONFIG}',

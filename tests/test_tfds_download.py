@@ -28,6 +28,18 @@ def closed_port() -> int:
     return s.getsockname()[1]
 
 
+def test_a_manual_download_not_there_is_one_line_with_tfds_steps_and_nothing_printed(tmp_path,
+                                                                                   capsys):
+  # tfds's own imagenet2012, which it never downloads: its files come from image-net.org.
+  with pytest.raises(ValueError) as error:
+    tfds_source.TfdsSource('imagenet2012', str(tmp_path), None, shuffle_buffer=8)
+  message = str(error.value)
+  assert '\n' not in message and '..' not in message, message
+  assert 'ILSVRC2012_img_train.tar' in message and 'image-net.org' in message
+  assert message.endswith('put the files into config.tfds_manual_dir.')
+  assert capsys.readouterr().out == ''  # tfds's "Downloading and preparing dataset ..." line.
+
+
 def test_an_unreachable_tfds_download_is_one_line_in_seconds_and_leaves_nothing(tmp_path):
   home, data_dir, temporary = tmp_path / 'home', tmp_path / 'tfds', tmp_path / 'tmp'
   home.mkdir()

@@ -98,6 +98,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                 gone_after_s=flags.FLAGS.peer_timeout).start()
            if jax.process_count() > 1 else None)
   lock, error, signum = None, None, None
+  made = not os.path.isdir(workdir)  # By this run, which removes it if it writes nothing there.
   try:
     interrupts.command_started()  # A Ctrl-C from here on is interrupted_line's.
     # Locked before the trainer (and TensorFlow, seconds) is imported: a workdir in use is
@@ -120,6 +121,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       peers.stop()
     if lock:
       workdirs.release_workdir(lock)
+      if error is not None and made:
+        workdirs.remove_if_only_lock(workdir)
   startup.exit_with_error(error, peers, signum)
 
 

@@ -3,6 +3,7 @@ within seconds where the download cannot be reached, naming `config.tfds_data_di
 manual download and leaving no half-written file behind.
 """
 import contextlib
+import io
 import os
 import shutil
 import socket
@@ -60,15 +61,16 @@ class TfdsSource:
   def _prepare(self, manual_dir: Optional[str]):
     logging.info('Preparing tfds dataset %s in %s', self._builder.name, self._builder.data_dir)
     self._check_downloads_reachable(manual_dir)
-    try:
-      with unfinished_files_removed(self._builder):
+    try:  # tfds prints what it prepares to stdout: the line above says it.
+      with unfinished_files_removed(self._builder), contextlib.redirect_stdout(io.StringIO()):
         self._builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
     except Exception as e:
+      reason = ' '.join(str(e).split()).rstrip('.')  # A manual download's steps span lines.
       raise ValueError(
           f'tfds dataset {self._builder.name!r} is not prepared in {self._builder.data_dir} and '
-          f'preparing it failed: {e}. Set config.tfds_data_dir to where it is prepared, or, for '
-          'datasets that need a manual download (e.g. imagenet2012), put the files into '
+          f'preparing it failed: {reason}. Set config.tfds_data_dir to where it is prepared, or, '
+          'for datasets that need a manual download (e.g. imagenet2012), put the files into '
           'config.tfds_manual_dir.') from e
 
   def _check_downloads_reachable(self, manual_dir: Optional[str]) -> None:

@@ -70,6 +70,19 @@ def release_workdir(lock: TextIO) -> None:
   lock.close()
 
 
+def remove_if_only_lock(workdir: str) -> None:
+  """Removes `workdir` where it holds nothing but a released (empty) lock: a folder that a run
+  made and then stopped in before it wrote anything (an unknown dataset, say), which would
+  otherwise be left behind for the user to find."""
+  lock = os.path.join(workdir, 'lock')
+  try:
+    if os.listdir(workdir) == ['lock'] and os.path.getsize(lock) == 0:
+      os.remove(lock)
+      os.rmdir(workdir)
+  except OSError:  # Gone already, or taken by another run in between: left as it is.
+    pass
+
+
 def resume_command(workdir: str) -> str:
   """This process's command line with `--workdir=WORKDIR` (absolute) in place of any given."""
   args = sys.argv[1:]
