@@ -1,7 +1,7 @@
 """A user's own files: how an image folder is laid out (its classes, the test share held out of a
 folder without split folders), images to classify or look into, read at a model's resolution,
-and class names, one a line. PIL and NumPy only, no TensorFlow: config files and the tools read
-them before anything imports TensorFlow (data/folders.py reads the folders for tf.data)."""
+and class names, one a line. PIL and NumPy only, no TensorFlow, so that config files and the
+tools use it before TensorFlow loads (data/folders.py reads the folders into tf.data)."""
 import collections
 import importlib.util
 import os

@@ -61,7 +61,7 @@ class TfdsSource:
   def _prepare(self, manual_dir: Optional[str]):
     logging.info('Preparing tfds dataset %s in %s', self._builder.name, self._builder.data_dir)
     self._check_downloads_reachable(manual_dir)
-    try:  # tfds prints what it prepares to stdout: the line above says it.
+    try:  # tfds prints 'Downloading and preparing dataset ...' to stdout; the line above says so.
       with unfinished_files_removed(self._builder), contextlib.redirect_stdout(io.StringIO()):
         self._builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
