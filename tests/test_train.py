@@ -308,6 +308,18 @@ def test_bad_config_is_a_one_line_error(overrides, message, tmp_path):
   assert '\n' not in str(error.value)
 
 
+def test_a_missing_default_run_to_fine_tune_from_names_the_command_that_trains_it(tmp_path,
+                                                                                 monkeypatch):
+  monkeypatch.chdir(tmp_path)  # No workdirs/default here: the quick start has not run.
+  with pytest.raises(checks.ConfigError) as error:
+    trainer.train_and_evaluate(tiny_config(pretrained_path='workdirs/default'), 'run')
+  assert str(error.value) == (
+      f"config.pretrained_path='workdirs/default' does not exist (relative paths start at "
+      f'{tmp_path}): give the path of a .npz checkpoint (published, or a WORKDIR/model.npz) or '
+      "of a training workdir; it is the default run's workdir: run `python -m vit_jax.main` here "
+      'first.')
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(total_steps=-5), r'config.total_steps=-5 must be greater than 0'),
     (dict(checkpoint_every=0), r'config.checkpoint_every=0 must be greater than 0'),

@@ -245,8 +245,20 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.pretrained_path={path!r} is a folder without a model.npz: give '
                       'the path of a .npz checkpoint, or of a finished training workdir.')
   if not os.path.exists(path):
-    raise ConfigError(f'config.pretrained_path={path!r} does not exist: give the path of a .npz '
-                      'checkpoint (published, or a WORKDIR/model.npz) or of a training workdir.')
+    raise ConfigError(f'config.pretrained_path={path!r} does not exist (relative paths start at '
+                      f'{os.getcwd()}): give the path of a .npz checkpoint (published, or a '
+                      'WORKDIR/model.npz) or of a training workdir'
+                      f'{default_run_hint(path)}.')
+
+
+def default_run_hint(path: str) -> str:
+  """Where `path` is the default run's workdir (configs/finetune.py and configs/segmentation.py
+  start from it), the words that say which command trains it; else ''."""
+  from vit_jax.config import command_line  # Both import this module.
+  from vit_jax.training import workdirs
+  if os.path.normpath(path) != workdirs.default_workdir(command_line.DEFAULT_CONFIG):
+    return ''
+  return "; it is the default run's workdir: run `python -m vit_jax.main` here first"
 
 
 def crop_error(crop) -> str | None:
