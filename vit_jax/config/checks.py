@@ -254,8 +254,8 @@ def check_pretrained_path(config: ml_collections.ConfigDict) -> None:
 def default_run_hint(path: str) -> str:
   """Where `path` is the default run's workdir (configs/finetune.py and configs/segmentation.py
   start from it), the words that say which command trains it; else ''."""
-  from vit_jax.config import command_line  # Both import this module.
-  from vit_jax.training import workdirs
+  from vit_jax.config import command_line  # It imports this module, and workdirs imports it:
+  from vit_jax.training import workdirs  # at the call, not at this module's import.
   if os.path.normpath(path) != workdirs.default_workdir(command_line.DEFAULT_CONFIG):
     return ''
   return "; it is the default run's workdir: run `python -m vit_jax.main` here first"
